@@ -1,0 +1,21 @@
+"""specd's engine: lossless, batched speculative decoding over transformers models."""
+
+from engine.config import EngineConfig, SpeculativeMethod
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParamError, SamplingParams
+from engine.stats import SpecDecodeStats, StepStats
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParamError",
+    "SamplingParams",
+    "SpecDecodeStats",
+    "SpeculativeMethod",
+    "StepStats",
+]

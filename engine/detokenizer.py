@@ -1,0 +1,52 @@
+"""Incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Decodes one token at a time without ever emitting half a multi-byte character: text is
+    released only once a decoded window no longer ends in U+FFFD. Decoding a short window that
+    starts a few tokens back keeps leading-space handling of byte-level BPE right."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-6:])  # context only; never emitted
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix) :]
+        return ""
+
+
+def find_stop(text: str, stops: tuple[str, ...], new_chars: int) -> tuple[int, str] | None:
+    """Earliest stop string that ends within the last ``new_chars`` characters: (index, stop)."""
+    longest = max(len(s) for s in stops)
+    window_start = max(0, len(text) - new_chars - longest + 1)
+    found: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s, window_start)
+        if i != -1 and (found is None or i < found[0]):
+            found = (i, s)
+    return found
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters could still grow into a stop string (so must not be streamed)."""
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:n]):
+                hold = n
+                break
+    return hold

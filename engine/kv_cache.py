@@ -1,0 +1,45 @@
+"""The paged KV cache: one flat slot array per layer, addressed through block tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    num_kv_heads: int
+    head_dim: int
+
+
+class PagedKVCache:
+    """Per layer, K and V of shape ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+
+    Slot ``block * block_size + offset`` holds the token at that offset of that block, so a block
+    table plus a position gives a slot with arithmetic alone; nothing is ever moved.
+    """
+
+    def __init__(
+        self,
+        layer_shapes: list[LayerShape],
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        slots = num_blocks * block_size
+        self.k = [torch.zeros(slots, s.num_kv_heads, s.head_dim, dtype=dtype, device=device) for s in layer_shapes]
+        self.v = [torch.zeros(slots, s.num_kv_heads, s.head_dim, dtype=dtype, device=device) for s in layer_shapes]
+
+    @staticmethod
+    def bytes_per_block(layer_shapes: list[LayerShape], block_size: int, dtype: torch.dtype) -> int:
+        per_token = sum(2 * s.num_kv_heads * s.head_dim for s in layer_shapes)
+        return per_token * block_size * torch.finfo(dtype).bits // 8
+
+    def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        """Slot indices of positions ``[start, end)`` of a sequence with this block table."""
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]

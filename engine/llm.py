@@ -1,0 +1,89 @@
+"""The offline API: ``LLM(...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from engine.config import EngineConfig, SpeculativeMethod
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import SpecDecodeStats
+
+
+class LLM:
+    """Batched generation with speculative decoding. ``num_speculative_tokens=None`` is adaptive."""
+
+    def __init__(
+        self,
+        model: str,
+        draft_model: str | None = None,
+        speculative_method: str | SpeculativeMethod | None = None,
+        num_speculative_tokens: int | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_gb: float = 1.0,
+        ngram_max: int = 4,
+        seed: int = 0,
+        trust_remote_code: bool = False,
+    ) -> None:
+        if speculative_method is None:
+            speculative_method = SpeculativeMethod.DRAFT_MODEL if draft_model else SpeculativeMethod.NONE
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                draft_model=draft_model,
+                speculative_method=speculative_method,
+                num_speculative_tokens=num_speculative_tokens,
+                dtype=dtype,
+                device=device,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory_gb=kv_cache_memory_gb,
+                ngram_max=min(ngram_max, 16),
+                seed=seed,
+                trust_remote_code=trust_remote_code,
+            )
+        )
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | Seq[int] | Seq[str | Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """All prompts run together in continuous batches; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = params or SamplingParams()
+        plist = list(params) if not isinstance(params, SamplingParams) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        engine = self.engine
+        results: dict[str, CompletionOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, plist):
+            rid = f"gen-{next(self._ids)}"
+            engine.add_request(rid, prompt, p)
+            results[rid] = CompletionOutput(rid, list(engine.seqs[rid].token_ids))
+            order.append(rid)
+        pending = set(order)
+        while pending:
+            for out in engine.step():
+                if out.request_id in results:
+                    results[out.request_id].add(out)
+                    if out.finished:
+                        pending.discard(out.request_id)
+        return [results[r] for r in order]
+
+    def stats(self) -> SpecDecodeStats:
+        return self.engine.spec_stats

@@ -1,0 +1,148 @@
+"""Everything done once at start-up: models, tokenizer checks, KV cache sizing, cost calibration."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import AutoTokenizer, GenerationConfig
+
+from engine.config import EngineConfig, SpeculativeMethod
+from engine.model_runner import ForwardBatch, ModelRunner
+from engine.rng import RequestRandom
+from engine.spec.adaptive import AdaptivePolicy
+from engine.spec.draft_model import DraftModelDrafter
+from engine.spec.drafter import Drafter
+from engine.spec.ngram import NgramDrafter
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CONTEXT = 2048
+
+
+class TokenizerMismatchError(ValueError):
+    """The draft model does not share the target's tokenizer."""
+
+
+@dataclass
+class Loaded:
+    target: ModelRunner
+    draft: ModelRunner | None
+    tokenizer: Any | None
+    eos_ids: tuple[int, ...]
+    max_model_len: int
+    num_blocks: int
+
+
+def load_tokenizer(path: str, trust_remote_code: bool) -> Any | None:
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as exc:
+        logger.warning("no tokenizer at %s (%s): only token-id prompts will work", path, exc)
+        return None
+
+
+def eos_token_ids(path: str, runner: ModelRunner, tokenizer: Any | None) -> tuple[int, ...]:
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = runner.model.config.get_text_config().eos_token_id
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def check_same_tokenizer(target_tok: Any | None, draft_tok: Any | None, target: str, draft: str) -> None:
+    if target_tok is None or draft_tok is None:
+        return
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise TokenizerMismatchError(
+            f"draft model {draft} does not share the target's tokenizer ({target}): "
+            f"vocabularies differ ({len(draft_tok)} vs {len(target_tok)} tokens). A draft must use the "
+            "target's tokenizer; vocabularies that differ only by padding rows are fine."
+        )
+
+
+def load(config: EngineConfig) -> Loaded:
+    t0 = time.perf_counter()
+    target = ModelRunner(config.model, config.dtype, config.device, config.trust_remote_code)
+    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    draft = None
+    if config.speculative_method is SpeculativeMethod.DRAFT_MODEL:
+        assert config.draft_model is not None
+        draft_tok = load_tokenizer(config.draft_model, config.trust_remote_code)
+        check_same_tokenizer(tokenizer, draft_tok, config.model, config.draft_model)
+        draft = ModelRunner(config.draft_model, config.dtype, config.device, config.trust_remote_code)
+    limits = [r.max_position_embeddings for r in (target, draft) if r and r.max_position_embeddings]
+    model_limit = min(limits) if limits else _DEFAULT_CONTEXT
+    if config.max_model_len is not None and config.max_model_len > model_limit:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {model_limit}")
+    max_model_len = config.max_model_len or model_limit
+
+    # Blocks for every sequence at full length (plus draft room) is all that is ever useful.
+    per_seq = -(-(max_model_len + config.k_max + 1) // config.block_size)
+    block_bytes = target.bytes_per_block(config.block_size) + (draft.bytes_per_block(config.block_size) if draft else 0)
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:
+        budget = int(config.kv_cache_memory_gb * 2**30) // block_bytes
+        num_blocks = min(budget, per_seq * config.max_num_seqs)
+    if num_blocks < per_seq:
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, fewer than one sequence "
+            f"of max_model_len {max_model_len} needs ({per_seq}); raise the KV budget or lower max_model_len"
+        )
+    target.allocate_cache(num_blocks, config.block_size)
+    if draft:
+        draft.allocate_cache(num_blocks, config.block_size)
+    logger.info(
+        "loaded %s%s on %s (%s) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; max_model_len %d",
+        config.model,
+        f" with draft {config.draft_model}" if draft else "",
+        target.device,
+        str(target.dtype).removeprefix("torch."),
+        time.perf_counter() - t0,
+        num_blocks,
+        config.block_size,
+        num_blocks * config.block_size,
+        num_blocks * block_bytes / 2**20,
+        max_model_len,
+    )
+    return Loaded(target, draft, tokenizer, eos_token_ids(config.model, target, tokenizer), max_model_len, num_blocks)
+
+
+def make_drafter(config: EngineConfig, loaded: Loaded, rng: RequestRandom) -> Drafter | None:
+    if not config.speculates:
+        return None
+    if config.speculative_method is SpeculativeMethod.NGRAM:
+        return NgramDrafter(config.ngram_max, config.ngram_min)
+    assert loaded.draft is not None
+    return DraftModelDrafter(loaded.draft, loaded.target.vocab_size, loaded.eos_ids, rng)
+
+
+def calibrate(policy: AdaptivePolicy, loaded: Loaded, k_max: int, block_size: int) -> None:
+    """Seed the cost model with a few timed forwards at start-up, so the first requests already get
+    a sensible k. Writes into blocks nobody owns yet; their contents are garbage-by-design."""
+    blocks = list(range(-(-(4 * (k_max + 1)) // block_size)))
+    for runner, cost in ((loaded.target, policy.target_cost), (loaded.draft, policy.draft_cost)):
+        if runner is None:
+            continue
+        for n in (1, k_max + 1, 4 * (k_max + 1)):
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                runner.forward(ForwardBatch([[0] * n], [0], [blocks], [1]))
+                runner.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            cost.observe(n, best)
+    if loaded.draft is None:
+        # n-gram lookup: a draft costs a Python lookup, not a forward; a small constant will do.
+        policy.draft_cost.observe(1, 2e-5)
+    policy.freeze_reference()
+    logger.info("adaptive k: cost ratio c at batch 1 = %.3f", policy.cost_ratio(1))

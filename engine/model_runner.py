@@ -1,0 +1,123 @@
+"""Loads a transformers causal LM and runs it on packed, paged batches."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+
+from engine import attention
+from engine.kv_cache import LayerShape, PagedKVCache
+
+logger = logging.getLogger(__name__)
+
+_PROBE_IMPL = "specd_probe"
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture cannot run on specd's paged attention."""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # bf16 is the native fast path on GPUs; on CPU float32 matmuls are the fast (and exact) ones.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """One packed forward: sequence i feeds ``token_ids[i]`` at positions ``[starts[i], ...)``."""
+
+    token_ids: list[list[int]]
+    starts: list[int]
+    block_tables: list[list[int]]
+    logits_rows: list[int]  # per sequence: how many trailing positions need logits (0 = none)
+
+
+class ModelRunner:
+    """One model, one KV cache. The target and the draft model each get their own runner."""
+
+    def __init__(self, path: str, dtype: str, device: str, trust_remote_code: bool = False) -> None:
+        attention.register()
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        archs = ", ".join(getattr(config, "architectures", None) or [config.model_type])
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=self.dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+            )
+        except ValueError as exc:
+            raise UnsupportedModelError(f"cannot load {path} ({archs}) as a causal LM: {exc}") from exc
+        if not getattr(model, "_supports_attention_backend", False):
+            raise UnsupportedModelError(
+                f"architecture {archs} (model_type {config.model_type!r}) does not route attention through "
+                "transformers' AttentionInterface, so specd cannot run it on a paged KV cache"
+            )
+        self.model = model.to(self.device).eval()
+        text_config = self.model.config.get_text_config()
+        self.vocab_size: int = text_config.vocab_size
+        self.max_position_embeddings: int | None = getattr(text_config, "max_position_embeddings", None)
+        self.layer_shapes = self._probe_layer_shapes()
+        self.model.set_attn_implementation(attention.ATTN_IMPL)
+        self.cache: PagedKVCache | None = None
+        self.name = path
+
+    def _probe_layer_shapes(self) -> list[LayerShape]:
+        """Learn each layer's K/V shape by running one token, whatever the config calls them."""
+        shapes: dict[int, LayerShape] = {}
+
+        def record(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN202
+            shapes[module.layer_idx] = LayerShape(num_kv_heads=key.shape[1], head_dim=key.shape[3])
+            return query.transpose(1, 2).contiguous(), None
+
+        AttentionInterface.register(_PROBE_IMPL, record)
+        self.model.set_attn_implementation(_PROBE_IMPL)
+        with torch.inference_mode():
+            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=False)
+        if sorted(shapes) != list(range(len(shapes))) or not shapes:
+            raise UnsupportedModelError(f"{self.name if hasattr(self, 'name') else 'model'}: unexpected layer indices")
+        return [shapes[i] for i in range(len(shapes))]
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return PagedKVCache.bytes_per_block(self.layer_shapes, block_size, self.dtype)
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+        self.cache = PagedKVCache(self.layer_shapes, num_blocks, block_size, self.dtype, self.device)
+
+    def synchronize(self) -> None:
+        """Wait for queued GPU work, so wall-clock timings mean something."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Returns float32 logits ``[sum(logits_rows), vocab]``: for each sequence in order, its last
+        ``logits_rows[i]`` positions. The LM head runs only on those rows."""
+        assert self.cache is not None, "allocate_cache() first"
+        ends = [s + len(t) for s, t in zip(batch.starts, batch.token_ids)]
+        meta = attention.build_metadata(self.cache, batch.block_tables, batch.starts, ends, self.device)
+        flat = [t for toks in batch.token_ids for t in toks]
+        input_ids = torch.tensor([flat], dtype=torch.long, device=self.device)  # [1, T]
+        position_ids = torch.cat(meta.positions).unsqueeze(0)  # [1, T]
+        keep = [
+            meta.query_starts[i + 1] - r + j for i, r in enumerate(batch.logits_rows) for j in range(r)
+        ]
+        keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=keep_t,
+            specd_attn=meta,
+        )
+        return out.logits[0].float()  # [R, V]

@@ -1,0 +1,103 @@
+"""Logits -> distributions. Pure tensor functions; the target and the drafter share them, which is
+what makes "the same transform applied to p and q" true by construction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """What one row of logits needs to be processed: its request's params, the generated tokens
+    in its context (for penalties), and the token ids that may not end it yet (min_tokens)."""
+
+    params: SamplingParams
+    output_tokens: Seq[int]
+    banned: Seq[int] = ()
+
+
+def process_logits(logits: torch.Tensor, rows: list[RowSpec]) -> torch.Tensor:
+    """Penalties, logit_bias and the min_tokens ban: everything that changes the target's own
+    preferences. logits [R, V] float32 -> [R, V] (new tensor only when something applies)."""
+    R, V = logits.shape
+    if any(r.params.uses_penalties for r in rows):
+        # OpenAI: logit -= frequency * count + presence * (count > 0), over generated tokens.
+        counts = torch.zeros(R, V, device=logits.device)  # [R, V]
+        for i, r in enumerate(rows):
+            if r.params.uses_penalties and r.output_tokens:
+                idx = torch.tensor(list(r.output_tokens), device=logits.device)
+                counts[i].index_add_(0, idx.clamp_(max=V - 1), torch.ones_like(idx, dtype=counts.dtype))
+        freq = logits.new_tensor([r.params.frequency_penalty for r in rows])[:, None]  # [R, 1]
+        pres = logits.new_tensor([r.params.presence_penalty for r in rows])[:, None]  # [R, 1]
+        logits = logits - freq * counts - pres * (counts > 0).float()
+    if any(r.params.logit_bias or r.banned for r in rows):
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            for token, bias in r.params.logit_bias.items():
+                if token < V:
+                    logits[i, token] += bias
+            for token in r.banned:
+                if token < V:
+                    logits[i, token] = float("-inf")
+    return logits
+
+
+def probs_from_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p truncation, renormalised. logits [R, V] -> probs [R, V].
+    Greedy rows (temperature 0) get temperature 1 here; their token comes from argmax instead."""
+    temps = logits.new_tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])  # [R]
+    probs = torch.softmax(logits / temps[:, None], dim=-1)  # [R, V]
+    if not any(p.truncates for p in params):
+        return probs
+    V = probs.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=probs.device)  # [R]
+    top_p = probs.new_tensor([p.top_p for p in params])  # [R]
+    min_p = probs.new_tensor([p.min_p for p in params])  # [R]
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # [R, V]
+    rank = torch.arange(V, device=probs.device)[None, :]  # [1, V]
+    keep = rank < top_k[:, None]
+    # top-p keeps the smallest prefix whose mass reaches top_p: a token stays if the mass strictly
+    # before it is below top_p (so the first token always stays).
+    mass_before = sorted_p.cumsum(-1) - sorted_p
+    keep &= mass_before < top_p[:, None]
+    # min-p keeps tokens with probability at least min_p times the most likely one.
+    keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
+    sorted_p = sorted_p * keep
+    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def sample_from(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p (it is Gumbel-max in
+    disguise) and needs no normalisation. probs [R, V], noise [R, V] -> tokens [R]."""
+    return (probs / noise).argmax(dim=-1)
+
+
+def logprobs_of(
+    logits: torch.Tensor, tokens: torch.Tensor, top_n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's own log-probabilities (raw logits, before any request transform), so they are the
+    same with and without speculation. logits [R, V], tokens [R] ->
+    (chosen [R], top values [R, top_n], top ids [R, top_n])."""
+    logp = torch.log_softmax(logits, dim=-1)  # [R, V]
+    chosen = logp.gather(-1, tokens[:, None])[:, 0]
+    top_v, top_i = logp.topk(top_n, dim=-1) if top_n > 0 else (logp[:, :0], tokens[:, None][:, :0])
+    return chosen, top_v, top_i
+
+
+def row_spec(seq: Sequence, extra: Seq[int], eos_ids: Seq[int]) -> RowSpec:
+    """The row that predicts the token after ``seq.token_ids + extra`` (extra = drafts before it)."""
+    p = seq.params
+    num_output = seq.num_output_tokens + len(extra)
+    banned: tuple[int, ...] = ()
+    if num_output < p.min_tokens:
+        # min_tokens: the target alone could not end here, so neither can the speculative path.
+        banned = (*(() if p.ignore_eos else eos_ids), *p.stop_token_ids)
+    output = [*seq.output_token_ids, *extra] if p.uses_penalties else ()
+    return RowSpec(params=p, output_tokens=output, banned=banned)

@@ -1,0 +1,90 @@
+"""Per-request decoding parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request decodes. Validated on construction; every error names its field.
+
+    temperature == 0 means greedy. ``num_speculative_tokens`` overrides the engine's draft
+    length for this request (0 turns speculation off for it, None keeps the engine's policy).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: none; N: the emitted token's logprob plus top-N
+    num_speculative_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        # Accept lists for convenience but store tuples so the object stays hashable and frozen.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
+        _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(0.0 <= self.temperature <= 2.0, "temperature", f"must be in [0, 2], got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "top_k", f"must be >= 0 (0 disables), got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        for token, bias in self.logit_bias.items():
+            _check(token >= 0, "logit_bias", f"token id {token} is negative")
+            _check(-100.0 <= bias <= 100.0, "logit_bias", f"bias {bias} for token {token} not in [-100, 100]")
+        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        _check(
+            self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})",
+        )
+        _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
+        if self.logprobs is not None:
+            _check(0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.num_speculative_tokens is not None:
+            _check(
+                0 <= self.num_speculative_tokens <= 16,
+                "num_speculative_tokens",
+                f"must be in [0, 16], got {self.num_speculative_tokens}",
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k/top-p/min-p change the distribution (needs the sorting path)."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+class SamplingParamError(ValueError):
+    """A sampling parameter is out of range; ``param`` names the field (the server maps it to a 400)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise SamplingParamError(param, message)

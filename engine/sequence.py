@@ -1,0 +1,89 @@
+"""One request's decoding state. No torch: the scheduler tests run in milliseconds."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The emitted token's log-probability under the target, and the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass
+class Sequence:
+    """Token accounting follows one rule: ``token_ids[:num_computed]`` have valid K/V in the
+    target's cache; a step feeds ``token_ids[num_computed:]`` plus drafts. Rejected drafts are
+    forgotten by lowering a length, never by copying."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    num_prompt_tokens: int = 0
+    num_computed: int = 0
+    draft_num_computed: int = 0  # the draft model's own cache, kept in step with the target's
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only the last token lacks K/V: the next step samples (and may verify drafts)."""
+        return self.num_uncomputed == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """Preemption: the blocks are gone, so every token must be recomputed later."""
+        self.num_computed = 0
+        self.draft_num_computed = 0
+        self.block_table = []
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1

@@ -1,0 +1,137 @@
+"""Choosing the draft length k per sequence per step: maximise expected tokens per second.
+
+With per-token acceptance alpha, k drafts yield E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per
+step (the accepted prefix plus the one recovered or bonus token). If a step without drafts costs
+the sequence s seconds (its share of the batch's forward) and each draft adds m seconds (its share
+of a draft forward plus the target's marginal cost of one more token), the rate is
+E(k) / (s + k m) = E(k) / (s (1 + k c)) with c = m / s, the bound the benchmarks quote. At batch 1,
+s is the whole forward; in a large batch s shrinks toward the per-token cost, c grows past 1 and
+the best k falls to 0: speculation stops where it does not pay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(k) = sum_{i=0..k} alpha^i: tokens emitted per step with k drafts."""
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def best_k(alpha: float, c: float, k_max: int) -> int:
+    """argmax_k E(k) / (1 + k c) over 0..k_max (ties go to the smaller k)."""
+    best, best_rate = 0, 1.0
+    for k in range(1, k_max + 1):
+        rate = expected_tokens(alpha, k) / (1.0 + k * c)
+        if rate > best_rate * (1.0 + 1e-9):
+            best, best_rate = k, rate
+    return best
+
+
+class LinearCost:
+    """Online fit of seconds = a + b * tokens, exponentially forgetting old observations."""
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self._w = self._n = self._t = self._nn = self._nt = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self._w = d * self._w + 1.0
+        self._n = d * self._n + tokens
+        self._t = d * self._t + seconds
+        self._nn = d * self._nn + tokens * tokens
+        self._nt = d * self._nt + tokens * seconds
+
+    @property
+    def ready(self) -> bool:
+        return self._w > 0
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b), both clamped to >= 0. Without spread in token counts, b is 0 and a the mean."""
+        if not self.ready:
+            return 0.0, 0.0
+        mean_n, mean_t = self._n / self._w, self._t / self._w
+        var = self._nn / self._w - mean_n**2
+        b = max(0.0, (self._nt / self._w - mean_n * mean_t) / var) if var > 1e-9 else 0.0
+        return max(0.0, mean_t - b * mean_n), b
+
+    def __call__(self, tokens: float) -> float:
+        a, b = self.coefficients()
+        return a + b * tokens
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Exponentially weighted MLE of alpha under the geometric model: a step with k drafts and a
+    accepted is a accepted trials plus one rejected trial when a < k."""
+
+    hits: float = 0.0
+    trials: float = 0.0
+    decay: float = 0.8
+
+    def observe(self, k: int, accepted: int) -> None:
+        self.hits = self.decay * self.hits + accepted
+        self.trials = self.decay * self.trials + accepted + (1 if accepted < k else 0)
+
+    def value(self, prior: float, prior_weight: float = 2.0) -> float:
+        return (self.hits + prior * prior_weight) / (self.trials + prior_weight)
+
+
+class AdaptivePolicy:
+    """Per-sequence k from that sequence's acceptance and the measured costs of this batch size.
+    A sequence that stopped speculating probes with one draft every ``probe_interval`` steps, so a
+    drafter that starts to agree (a repetitive stretch, a smaller batch) is noticed again."""
+
+    def __init__(self, k_max: int, probe_interval: int = 16) -> None:
+        self.k_max = k_max
+        self.probe_interval = probe_interval
+        self.target_cost = LinearCost()
+        self.draft_cost = LinearCost()
+        self.global_alpha = AcceptanceEstimate(decay=0.98)
+        self._seq_alpha: dict[str, AcceptanceEstimate] = {}
+        self._idle_steps: dict[str, int] = {}
+        self._frozen_c: float | None = None
+
+    def cost_ratio(self, batch: int) -> float:
+        """c = m / s for a batch of ``batch`` decoding sequences (see the module docstring)."""
+        s = self.target_cost(batch) / batch
+        a_t, b_t = self.target_cost.coefficients()
+        m = b_t + self.draft_cost(batch) / batch
+        return m / s if s > 0 else float("inf")
+
+    def freeze_reference(self) -> None:
+        """Fix the batch-1 cost ratio measured at start-up. Seeded sampled requests use it instead of
+        the live, batch-dependent ratio, so what shares their batch cannot change their k, and with
+        it the random numbers they consume."""
+        self._frozen_c = self.cost_ratio(1)
+
+    def alpha(self, request_id: str, batch_independent: bool = False) -> float:
+        # The global estimate mixes in other requests, so batch-independent choices use a fixed prior.
+        prior = 0.5 if batch_independent else self.global_alpha.value(prior=0.5)
+        est = self._seq_alpha.get(request_id)
+        return est.value(prior) if est is not None else prior
+
+    def choose(self, request_id: str, batch: int, batch_independent: bool) -> int:
+        c = self._frozen_c if batch_independent and self._frozen_c is not None else self.cost_ratio(batch)
+        k = best_k(self.alpha(request_id, batch_independent), c, self.k_max)
+        if k > 0:
+            self._idle_steps[request_id] = 0
+            return k
+        idle = self._idle_steps.get(request_id, 0) + 1
+        if idle >= self.probe_interval:
+            idle = 0
+            k = 1
+        self._idle_steps[request_id] = idle
+        return k
+
+    def observe(self, request_id: str, k: int, accepted: int) -> None:
+        if k <= 0:
+            return
+        self._seq_alpha.setdefault(request_id, AcceptanceEstimate()).observe(k, accepted)
+        self.global_alpha.observe(k, accepted)
+
+    def forget(self, request_id: str) -> None:
+        self._seq_alpha.pop(request_id, None)
+        self._idle_steps.pop(request_id, None)

@@ -1,0 +1,99 @@
+"""Tiny random models and a tiny tokenizer, built in the tests themselves (no hub, no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    GemmaConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+VOCAB = 320  # the tokenizer has fewer entries: the rest are padding rows, as in real checkpoints
+EOS = 0
+CORPUS = [
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+    "for i in range(10):\n    print(i, i * i)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "import os\nprint(os.path.join('a', 'b'))\n# héllo wörld ünïcode ✓\n",
+]
+
+
+def tiny_config(arch: str, seed_layers: int = 2, hidden: int = 64) -> PretrainedConfig:
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=seed_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=EOS,
+        bos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=24)  # shorter than the tests' contexts
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=16)
+    if arch == "gemma":
+        return GemmaConfig(**common, head_dim=16)
+    if arch == "gpt2":
+        return GPT2Config(
+            vocab_size=VOCAB, n_embd=hidden, n_layer=seed_layers, n_head=4, n_positions=512,
+            eos_token_id=EOS, bos_token_id=1,
+        )
+    raise ValueError(arch)
+
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma")
+
+
+def build_tokenizer(out: Path) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|bos|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|bos|>", pad_token="<|pad|>"
+    )
+    fast.save_pretrained(out)
+    return fast
+
+
+def save_model(config: PretrainedConfig, out: Path, seed: int, tokenizer_dir: Path | None = None,
+               perturb_from: torch.nn.Module | None = None, noise: float = 0.0) -> torch.nn.Module:
+    """A random model; with ``perturb_from``, a copy of that model plus Gaussian noise on every weight
+    (a draft that agrees often but not always)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    if perturb_from is not None:
+        model.load_state_dict(perturb_from.state_dict())
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * noise * p.std().clamp(min=1e-3))
+    model.eval()
+    model.save_pretrained(out)
+    if tokenizer_dir is not None:
+        PreTrainedTokenizerFast.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return model
