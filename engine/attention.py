@@ -4,6 +4,9 @@ transformers calls ``attention_interface(module, query, key, value, mask, **kwar
 attention layer, and extra keyword arguments given to the model's forward reach it. We pass the
 batch layout as ``specd_attn`` and do two things per layer: write the new K/V into the paged cache,
 then attend each query token to its own sequence's cached K/V with a causal limit.
+
+Sequences with few new tokens (decode and verify steps) are padded into one batched SDPA call;
+long chunks (prefill) get one call each, so padding never multiplies a long prompt's cost.
 """
 
 from __future__ import annotations
@@ -17,48 +20,95 @@ from transformers import AttentionInterface
 from engine.kv_cache import PagedKVCache
 
 ATTN_IMPL = "specd_paged"
+SHORT_QUERY = 32  # sequences feeding at most this many tokens share one padded attention call
 
 
-@dataclass
+@dataclass(frozen=True)
+class ShortGroup:
+    """Sequences with short queries, padded to ``[G, Q]`` queries over ``[G, C]`` keys."""
+
+    rows: torch.Tensor  # [G, Q] long: each query's row in the packed batch (padding repeats a row)
+    valid: torch.Tensor  # [G, Q] bool: real query tokens
+    positions: torch.Tensor  # [G, Q] long
+    slots: torch.Tensor  # [G, C] long: cache slot of key position c (padding points anywhere)
+    mask: torch.Tensor  # [G, 1, Q, C] bool: causal, and padding rows see key 0 only (no NaN rows)
+
+
+@dataclass(frozen=True)
+class LongSeq:
+    rows: slice  # this sequence's rows in the packed batch
+    fresh: bool  # the whole context is this step's tokens: use them without a cache gather
+    slots: torch.Tensor  # [C] long
+    positions: torch.Tensor  # [q] long
+    mask: torch.Tensor  # [q, C] bool, causal with the queries at the end
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
-    """Layout of one packed forward. ``T`` is the total number of new tokens across sequences."""
+    """Layout of one packed forward of ``T`` new tokens."""
 
     cache: PagedKVCache
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V goes
-    query_starts: list[int]  # [B+1] offsets of each sequence's tokens in the packed batch
-    context_slots: list[torch.Tensor]  # B x [ctx_i] long: every slot the sequence attends to
-    positions: list[torch.Tensor]  # B x [q_i] long: position of each query token
-    causal_masks: list[torch.Tensor | None]  # B x [q_i, ctx_i] bool, None when q_i == 1
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_starts) - 1
+    positions: torch.Tensor  # [T] long: each new token's position in its sequence
+    short: ShortGroup | None
+    long: list[LongSeq]
 
 
 def build_metadata(
     cache: PagedKVCache, block_tables: list[list[int]], starts: list[int], ends: list[int], device: torch.device
 ) -> AttentionMetadata:
     """Sequence i feeds positions ``[starts[i], ends[i])`` and attends to ``[0, ends[i])``."""
-    slot_mapping: list[int] = []
-    query_starts = [0]
-    context_slots, positions, masks = [], [], []
-    for table, start, end in zip(block_tables, starts, ends):
-        slots = cache.slots(table, 0, end)
-        slot_mapping.extend(slots[start:])
-        query_starts.append(query_starts[-1] + end - start)
-        context_slots.append(torch.tensor(slots, dtype=torch.long, device=device))
-        pos = torch.arange(start, end, device=device)
-        positions.append(pos)
-        # Query at position p sees keys at positions <= p (bottom-right aligned causal mask).
-        masks.append(None if end - start == 1 else pos[:, None] >= torch.arange(end, device=device)[None, :])
-    return AttentionMetadata(
-        cache=cache,
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-        query_starts=query_starts,
-        context_slots=context_slots,
-        positions=positions,
-        causal_masks=masks,
-    )
+    bs = cache.block_size
+    B = len(starts)
+    q_lens = [e - s for s, e in zip(starts, ends)]
+    width = max(len(t) for t in block_tables)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], device=device)  # [B, nb]
+    q_lens_t = torch.tensor(q_lens, device=device)  # [B]
+    starts_t = torch.tensor(starts, device=device)  # [B]
+    q_first = q_lens_t.cumsum(0) - q_lens_t  # [B] first packed row of each sequence
+    T = sum(q_lens)
+    seq_of = torch.repeat_interleave(torch.arange(B, device=device), q_lens_t)  # [T]
+    positions = starts_t[seq_of] + torch.arange(T, device=device) - q_first[seq_of]  # [T]
+    slot_mapping = tables[seq_of, positions // bs] * bs + positions % bs  # [T]
+
+    short_idx = [i for i in range(B) if q_lens[i] <= SHORT_QUERY]
+    short = None
+    if short_idx:
+        idx = torch.tensor(short_idx, device=device)
+        Q, C = max(q_lens[i] for i in short_idx), max(ends[i] for i in short_idx)
+        q_off = torch.arange(Q, device=device)[None, :]  # [1, Q]
+        valid = q_off < q_lens_t[idx, None]  # [G, Q]
+        rows = (q_first[idx, None] + q_off).clamp(max=T - 1)  # [G, Q]
+        qpos = starts_t[idx, None] + q_off  # [G, Q]
+        kpos = torch.arange(C, device=device)  # [C]
+        slots = tables[idx][:, kpos // bs] * bs + kpos % bs  # [G, C]
+        # Query at position p sees keys at positions <= p; keys past a sequence's own context all
+        # have positions beyond its last query, so the same comparison masks the padding.
+        mask = (kpos[None, None, :] <= qpos[:, :, None]) & valid[:, :, None]  # [G, Q, C]
+        mask[:, :, 0] |= ~valid
+        short = ShortGroup(rows, valid, qpos, slots, mask[:, None])
+    long = []
+    for i in range(B):
+        if q_lens[i] <= SHORT_QUERY:
+            continue
+        kpos = torch.arange(ends[i], device=device)
+        qpos = kpos[starts[i] :]
+        first = int(q_first[i])
+        long.append(
+            LongSeq(
+                rows=slice(first, first + q_lens[i]),
+                fresh=starts[i] == 0,
+                slots=tables[i, kpos // bs] * bs + kpos % bs,
+                positions=qpos,
+                mask=kpos[None, :] <= qpos[:, None],
+            )
+        )
+    return AttentionMetadata(cache, slot_mapping, positions, short, long)
+
+
+def _window(qpos: torch.Tensor, kpos: torch.Tensor, window: int) -> torch.Tensor:
+    """transformers' sliding-window convention: query at p sees keys in (p - window, p]."""
+    return qpos[..., :, None] - kpos < window
 
 
 def paged_attention_forward(
@@ -78,27 +128,38 @@ def paged_attention_forward(
     meta = specd_attn
     layer = module.layer_idx
     k_cache, v_cache = meta.cache.k[layer], meta.cache.v[layer]  # [slots, Hkv, D]
-    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
-
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
+    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+    k_cache.index_copy_(0, meta.slot_mapping, k_new.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v_new.to(v_cache.dtype))
     gqa = query.shape[1] != key.shape[1]
-    for i in range(meta.num_seqs):
-        qs, qe = meta.query_starts[i], meta.query_starts[i + 1]
-        slots = meta.context_slots[i]
-        k = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-        v = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-        mask = meta.causal_masks[i]
+    q_all = query[0].transpose(0, 1)  # [T, H, D]
+    out = torch.empty_like(q_all)  # [T, H, D]
+
+    g = meta.short
+    if g is not None:
+        q = q_all[g.rows].permute(0, 2, 1, 3)  # [G, H, Q, D]
+        k = k_cache[g.slots].permute(0, 2, 1, 3)  # [G, Hkv, C, D]
+        v = v_cache[g.slots].permute(0, 2, 1, 3)  # [G, Hkv, C, D]
+        mask = g.mask
         if sliding_window is not None:
-            # transformers' convention: query at p sees keys in (p - window, p].
-            pos = meta.positions[i]
-            window = pos[:, None] - torch.arange(slots.numel(), device=pos.device)[None, :] < sliding_window
-            mask = window if mask is None else mask & window
-        o = F.scaled_dot_product_attention(
-            query[:, :, qs:qe], k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa
-        )  # [1, H, q, D]
-        out[qs:qe] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None  # [1, T, H, D], no attention weights
+            kpos = torch.arange(g.slots.shape[1], device=mask.device)
+            mask = mask & _window(g.positions, kpos, sliding_window)[:, None]
+            mask[:, :, :, 0] |= ~g.valid[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [G, H, Q, D]
+        out[g.rows[g.valid]] = o.permute(0, 2, 1, 3)[g.valid]
+    for s in meta.long:
+        q = q_all[s.rows].transpose(0, 1)[None]  # [1, H, q, D]
+        if s.fresh:
+            k, v = k_new[s.rows].transpose(0, 1)[None], v_new[s.rows].transpose(0, 1)[None]  # [1, Hkv, q, D]
+        else:
+            k = k_cache[s.slots].transpose(0, 1)[None]  # [1, Hkv, C, D]
+            v = v_cache[s.slots].transpose(0, 1)[None]
+        mask = s.mask
+        if sliding_window is not None:
+            mask = mask & _window(s.positions, torch.arange(s.slots.numel(), device=mask.device), sliding_window)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [1, H, q, D]
+        out[s.rows] = o[0].transpose(0, 1)
+    return out[None], None  # [1, T, H, D], no attention weights
 
 
 def register() -> None:

@@ -176,7 +176,7 @@ class LLMEngine:
         for s in sched_list:
             if not s.samples:
                 s.seq.num_computed += s.num_new_tokens
-        pos_counts = [0] * self.config.k_max
+        pos_counts = [0] * max((len(d) for d in drafts.values()), default=0)
         accepted_lengths, generated, n_drafts, n_draft_tokens, n_accepted = [], 0, 0, 0, 0
         row = 0
         for s, (num_accepted, emitted) in zip(sampling, results):
@@ -244,15 +244,16 @@ class LLMEngine:
         specs = [row_spec(q, drafts.get(q.request_id, [])[:j], self.eos_ids) for q, k in zip(seqs, ks) for j in range(k + 1)]
         processed = process_logits(logits, specs)  # [R, V]
         # Row of (sequence b, position j) in the flat logits; padding positions repeat the last row.
-        offsets = torch.tensor([sum(k + 1 for k in ks[:b]) for b in range(B)], device=dev)  # [B]
-        pos = torch.minimum(torch.arange(K + 1, device=dev)[None, :], torch.tensor(ks, device=dev)[:, None])
+        ks_t = torch.tensor(ks, device=dev)  # [B]
+        offsets = (ks_t + 1).cumsum(0) - (ks_t + 1)  # [B] first row of each sequence
+        pos = torch.minimum(torch.arange(K + 1, device=dev)[None, :], ks_t[:, None])
         index = offsets[:, None] + pos  # [B, K+1]
         argmax = processed.argmax(-1)[index]  # [B, K+1]
         draft_t = torch.zeros(B, K, dtype=torch.long, device=dev)  # [B, K]
         for b, q in enumerate(seqs):
             if ks[b]:
                 draft_t[b, : ks[b]] = torch.tensor(drafts[q.request_id], device=dev)
-        num_drafts = torch.tensor(ks, device=dev)
+        num_drafts = ks_t
         if all(q.params.greedy for q in seqs):
             num_acc, tokens = verify_greedy(argmax, draft_t, num_drafts)
         else:

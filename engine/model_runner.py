@@ -14,6 +14,8 @@ from engine.kv_cache import LayerShape, PagedKVCache
 logger = logging.getLogger(__name__)
 
 _PROBE_IMPL = "specd_probe"
+# Attention features a model may ask for that SDPA over the paged cache would silently ignore.
+_UNSUPPORTED_ATTENTION_KWARGS = {"softcap": "logit soft-capping", "s_aux": "sinks", "sinks": "sinks"}
 
 
 class UnsupportedModelError(ValueError):
@@ -54,7 +56,7 @@ class ModelRunner:
         archs = ", ".join(getattr(config, "architectures", None) or [config.model_type])
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=self.dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+                path, dtype=self.dtype, trust_remote_code=trust_remote_code, attn_implementation="eager"
             )
         except ValueError as exc:
             raise UnsupportedModelError(f"cannot load {path} ({archs}) as a causal LM: {exc}") from exc
@@ -75,17 +77,27 @@ class ModelRunner:
     def _probe_layer_shapes(self) -> list[LayerShape]:
         """Learn each layer's K/V shape by running one token, whatever the config calls them."""
         shapes: dict[int, LayerShape] = {}
+        problems: set[str] = set()
 
         def record(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN202
             shapes[module.layer_idx] = LayerShape(num_kv_heads=key.shape[1], head_dim=key.shape[3])
+            if not getattr(module, "is_causal", True):
+                problems.add("bidirectional (non-causal) attention")
+            for name in _UNSUPPORTED_ATTENTION_KWARGS:
+                if kwargs.get(name) is not None:
+                    problems.add(f"attention {_UNSUPPORTED_ATTENTION_KWARGS[name]} ({name!r})")
             return query.transpose(1, 2).contiguous(), None
 
         AttentionInterface.register(_PROBE_IMPL, record)
         self.model.set_attn_implementation(_PROBE_IMPL)
         with torch.inference_mode():
             self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=False)
-        if sorted(shapes) != list(range(len(shapes))) or not shapes:
-            raise UnsupportedModelError(f"{self.name if hasattr(self, 'name') else 'model'}: unexpected layer indices")
+        archs = ", ".join(getattr(self.model.config, "architectures", None) or [type(self.model).__name__])
+        if problems:
+            raise UnsupportedModelError(f"architecture {archs} uses {', '.join(sorted(problems))}, which specd's "
+                                        "paged attention does not implement")
+        if not shapes or sorted(shapes) != list(range(len(shapes))):
+            raise UnsupportedModelError(f"architecture {archs}: not every layer is a standard attention layer")
         return [shapes[i] for i in range(len(shapes))]
 
     def bytes_per_block(self, block_size: int) -> int:
@@ -108,10 +120,11 @@ class ModelRunner:
         meta = attention.build_metadata(self.cache, batch.block_tables, batch.starts, ends, self.device)
         flat = [t for toks in batch.token_ids for t in toks]
         input_ids = torch.tensor([flat], dtype=torch.long, device=self.device)  # [1, T]
-        position_ids = torch.cat(meta.positions).unsqueeze(0)  # [1, T]
-        keep = [
-            meta.query_starts[i + 1] - r + j for i, r in enumerate(batch.logits_rows) for j in range(r)
-        ]
+        position_ids = meta.positions[None]  # [1, T]
+        keep, end = [], 0
+        for toks, r in zip(batch.token_ids, batch.logits_rows):
+            end += len(toks)
+            keep.extend(range(end - r, end))
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
         out = self.model(
             input_ids=input_ids,

@@ -65,7 +65,9 @@ def probs_from_logits(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     # top-p keeps the smallest prefix whose mass reaches top_p: a token stays if the mass strictly
     # before it is below top_p (so the first token always stays).
     mass_before = sorted_p.cumsum(-1) - sorted_p
-    keep &= mass_before < top_p[:, None]
+    # Rows that asked for no top-p keep everything: float32 cumsums reach 1.0 before a large
+    # vocabulary's tail, which would otherwise silently drop tokens the target can produce.
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
     # min-p keeps tokens with probability at least min_p times the most likely one.
     keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
     sorted_p = sorted_p * keep

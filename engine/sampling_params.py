@@ -30,7 +30,7 @@ class SamplingParams:
     num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        # Accept lists for convenience but store tuples so the object stays hashable and frozen.
+        # Accept lists for convenience; store tuples so nothing shared can be mutated afterwards.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))

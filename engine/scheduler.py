@@ -61,7 +61,8 @@ class Scheduler:
 
     def max_useful_drafts(self, seq: Sequence, k: int) -> int:
         """Drafts beyond max_tokens or the context can never be emitted; don't compute them."""
-        room_in_context = self.config.max_model_len - seq.num_tokens
+        # d drafts emit up to d + 1 tokens; past the limit the last draft would only displace the bonus.
+        room_in_context = self.config.max_model_len - seq.num_tokens - 1
         room_in_output = seq.params.max_tokens - seq.num_output_tokens - 1
         return max(0, min(k, room_in_context, room_in_output))
 
@@ -76,6 +77,9 @@ class Scheduler:
             if seq.is_decoding:
                 new = 1
                 drafts = min(self.max_useful_drafts(seq, draft_lens.get(seq.request_id, 0)), budget - 1)
+                # Drafts are optional: shrink them to the free slots before preempting anyone for them.
+                free_slots = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.block_manager.block_size
+                drafts = max(0, min(drafts, free_slots - seq.num_computed - new))
             else:  # an unfinished chunked prefill
                 new, drafts = min(seq.num_uncomputed, budget), 0
             if not self._make_room(seq, seq.num_computed + new + drafts, out):

@@ -29,7 +29,7 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field-by-field: the scheduler searches lists of these
 class Sequence:
     """Token accounting follows one rule: ``token_ids[:num_computed]`` have valid K/V in the
     target's cache; a step feeds ``token_ids[num_computed:]`` plus drafts. Rejected drafts are

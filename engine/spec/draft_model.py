@@ -42,7 +42,9 @@ class DraftModelDrafter:
         n = len(requests)
         K = max(r.max_drafts for r in requests)
         tokens: list[list[int]] = [[] for _ in range(n)]
-        probs = torch.zeros(n, K, self.vocab, device=self.runner.device)  # [n, K, V]
+        # Greedy verification needs only the tokens: skip distributions and noise when nobody samples.
+        sampled = any(not r.seq.params.greedy for r in requests)
+        probs = torch.zeros(n, K, self.vocab, device=self.runner.device) if sampled else None  # [n, K, V]
         active = list(range(n))
         for j in range(K):
             feeds, starts = [], []
@@ -63,13 +65,19 @@ class DraftModelDrafter:
             logits = self._logits(batch)  # [a, V]
             specs = [row_spec(requests[i].seq, tokens[i], self.eos_ids) for i in active]
             logits = process_logits(logits, specs)
-            q = probs_from_logits(logits, [s.params for s in specs])  # [a, V]
-            greedy = torch.tensor([s.params.greedy for s in specs], device=q.device)
-            noise = torch.cat([self.rng.exponentials(requests[i].seq.request_id, 1, self.vocab) for i in active])
-            picked = torch.where(greedy, logits.argmax(-1), sample_from(q, noise)).tolist()
+            picked_t = logits.argmax(-1)  # [a]
+            if probs is not None:
+                q = probs_from_logits(logits, [s.params for s in specs])  # [a, V]
+                noise = torch.ones_like(q)  # [a, V]; greedy rows draw nothing from their streams
+                for row, spec in enumerate(specs):
+                    if not spec.params.greedy:
+                        noise[row] = self.rng.exponentials(requests[active[row]].seq.request_id, 1, self.vocab)[0]
+                greedy = torch.tensor([s.params.greedy for s in specs], device=q.device)
+                picked_t = torch.where(greedy, picked_t, sample_from(q, noise))
+                probs[active, j] = q
+            picked = picked_t.tolist()
             for row, i in enumerate(active):
                 tokens[i].append(picked[row])
-                probs[i, j] = q[row]
                 requests[i].seq.draft_num_computed = starts[row] + len(feeds[row])
             active = [i for i in active if requests[i].max_drafts > j + 1]
         return Proposal(tokens=tokens, probs=probs)

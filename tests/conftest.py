@@ -1,0 +1,42 @@
+"""Session-wide tiny models: built once from configs, saved to a temp dir, never downloaded."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import ARCHS, build_tokenizer, save_model, tiny_config
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+@dataclass(frozen=True)
+class ModelSet:
+    arch: str
+    target: Path
+    draft: Path  # the target plus noise: agrees often, not always
+    unrelated: Path  # an independent random model of the same shape
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def model_sets(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> dict[str, ModelSet]:
+    root = tmp_path_factory.mktemp("models")
+    sets = {}
+    for i, arch in enumerate(ARCHS):
+        cfg = tiny_config(arch)
+        target = save_model(cfg, root / f"{arch}-target", seed=100 + i, tokenizer_dir=tokenizer_dir)
+        save_model(cfg, root / f"{arch}-draft", seed=200 + i, tokenizer_dir=tokenizer_dir, perturb_from=target, noise=0.15)
+        save_model(cfg, root / f"{arch}-unrelated", seed=300 + i, tokenizer_dir=tokenizer_dir)
+        sets[arch] = ModelSet(arch, root / f"{arch}-target", root / f"{arch}-draft", root / f"{arch}-unrelated")
+    return sets

@@ -1,0 +1,63 @@
+"""Prompt lookup: engine.spec.ngram.lookup and the drafter around it."""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from engine.spec.drafter import DraftRequest
+from engine.spec.ngram import NgramDrafter, lookup
+
+
+def test_longest_matching_n_is_tried_first():
+    #        the 2-gram [1, 2] occurred at 0 (then 3); the 1-gram [2] more recently at 4 (then 4)
+    tokens = [1, 2, 3, 9, 2, 4, 1, 2]
+    assert lookup(tokens, n_max=2, n_min=1, k=1) == [3]
+    assert lookup(tokens, n_max=1, n_min=1, k=1) == [4]
+
+
+def test_most_recent_earlier_occurrence_is_used():
+    tokens = [1, 2, 7, 5, 1, 2, 8, 5, 1, 2]
+    assert lookup(tokens, n_max=2, n_min=1, k=1) == [8]
+
+
+def test_returns_up_to_k_following_tokens():
+    tokens = [1, 2, 7, 8, 9, 6, 1, 2]
+    assert lookup(tokens, n_max=2, n_min=1, k=3) == [7, 8, 9]
+    assert lookup(tokens, n_max=2, n_min=1, k=1) == [7]
+    # The continuation may run into the suffix itself, and stops at the end of the tokens.
+    assert lookup([4, 5, 6, 4, 5], n_max=2, n_min=1, k=10) == [6, 4, 5]
+
+
+def test_no_match_gives_no_drafts():
+    assert lookup([1, 2, 3, 4, 5], n_max=3, n_min=1, k=4) == []
+
+
+def test_matches_shorter_than_n_min_are_ignored():
+    tokens = [7, 3, 9, 5, 3]  # only the 1-gram [3] recurs
+    assert lookup(tokens, n_max=3, n_min=2, k=2) == []
+    assert lookup(tokens, n_max=3, n_min=1, k=2) == [9, 5]
+
+
+def test_the_suffix_never_matches_itself():
+    assert lookup([5], n_max=3, n_min=1, k=3) == []
+    assert lookup([1, 2, 3], n_max=3, n_min=1, k=3) == []
+    assert lookup([], n_max=3, n_min=1, k=3) == []
+
+
+def test_overlapping_earlier_occurrence_counts():
+    assert lookup([5, 5], n_max=3, n_min=1, k=3) == [5]
+    # n = 3: [7, 7, 7] also starts at 0, overlapping the suffix; the token after it is the last one.
+    assert lookup([7, 7, 7, 7], n_max=3, n_min=1, k=3) == [7]
+
+
+def test_n_max_longer_than_the_tokens_still_finds_shorter_matches():
+    assert lookup([3, 4, 3], n_max=10, n_min=1, k=2) == [4, 3]
+
+
+def test_ngram_drafter_proposes_one_hot_tokens_within_each_request_budget():
+    params = SamplingParams()
+    a = Sequence("a", [1, 2, 3, 4, 1, 2], params)
+    b = Sequence("b", [9, 8, 7], params)
+    proposal = NgramDrafter(n_max=3, n_min=1).propose([DraftRequest(a, 2), DraftRequest(b, 4)])
+    assert proposal.probs is None
+    assert proposal.tokens == [[3, 4], []]

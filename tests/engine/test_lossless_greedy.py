@@ -1,0 +1,97 @@
+"""Greedy speculative output equals transformers' greedy generate on the target alone, for every
+architecture, drafter, batch size and draft length."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine.lossless import MAX_NEW, Reference, assert_same_as_target, prompts_for
+from tests.tiny_models import ARCHS
+
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def references(model_sets) -> dict[str, Reference]:
+    return {arch: Reference(ms.target) for arch, ms in model_sets.items()}
+
+
+def run_batches(llm: LLM, ref: Reference, prompts: list[list[int]], label: str) -> None:
+    """Batch 1 (two prompts, one at a time), batch 3 and batch 8 through the same engine."""
+    for batch in ([prompts[0]], [prompts[5]], prompts[1:4], prompts):
+        outs = llm.generate(batch, GREEDY)
+        for prompt, out in zip(batch, outs):
+            assert_same_as_target(ref, prompt, out.token_ids, f"{label} batch={len(batch)}")
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks, f"{label}: blocks leaked after the batch finished"
+
+
+@pytest.mark.parametrize("k", [1, 4, 8, None], ids=lambda k: f"k={k if k is not None else 'adaptive'}")
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_speculation_equals_target_alone(arch, method, k, model_sets, references, tokenizer_dir):
+    ms = model_sets[arch]
+    llm = LLM(
+        model=str(ms.target),
+        draft_model=str(ms.draft) if method == "draft_model" else None,
+        speculative_method=method,
+        num_speculative_tokens=k,
+        dtype="float32",
+        device="cpu",
+    )
+    run_batches(llm, references[arch], prompts_for(tokenizer_dir), f"{arch}/{method}/k={k}")
+    if k is not None:
+        assert llm.stats().num_draft_tokens > 0, "speculation never ran, so this test proved nothing"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_without_speculation_equals_target_alone(arch, model_sets, references, tokenizer_dir):
+    ms = model_sets[arch]
+    llm = LLM(model=str(ms.target), speculative_method="none", dtype="float32", device="cpu")
+    run_batches(llm, references[arch], prompts_for(tokenizer_dir), f"{arch}/none")
+
+
+def test_unrelated_draft_with_adaptive_k_stays_lossless(model_sets, references, tokenizer_dir):
+    ms = model_sets["llama"]
+    llm = LLM(model=str(ms.target), draft_model=str(ms.unrelated), dtype="float32", device="cpu")
+    run_batches(llm, references["llama"], prompts_for(tokenizer_dir), "llama/unrelated")
+
+
+def test_preemption_under_a_tiny_kv_cache_stays_lossless(model_sets, references, tokenizer_dir):
+    """19 blocks of 4 tokens hold about one and a half sequences: eight at once must preempt."""
+    ms = model_sets["llama"]
+    llm = LLM(
+        model=str(ms.target),
+        draft_model=str(ms.draft),
+        num_speculative_tokens=4,
+        dtype="float32",
+        device="cpu",
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=19,
+    )
+    prompts = prompts_for(tokenizer_dir)
+    preempted = 0
+    outs = {}
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+        outs[str(i)] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id].extend(out.new_token_ids)
+        preempted += engine.last_step.num_preempted if engine.last_step else 0
+    assert preempted > 0, "the cache was large enough that nothing was preempted"
+    for i, p in enumerate(prompts):
+        assert_same_as_target(references["llama"], p, outs[str(i)], f"preempted request {i}")
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_chunked_prefill_with_a_small_token_budget_stays_lossless(model_sets, references, tokenizer_dir):
+    ms = model_sets["qwen2"]
+    llm = LLM(
+        model=str(ms.target), draft_model=str(ms.draft), num_speculative_tokens=3,
+        dtype="float32", device="cpu", max_num_batched_tokens=5,
+    )
+    run_batches(llm, references["qwen2"], prompts_for(tokenizer_dir), "qwen2/chunked")
