@@ -10,7 +10,6 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import calibrate, load, make_drafter
 from engine.model_runner import ForwardBatch
 from engine.outputs import RequestOutput
@@ -63,9 +62,9 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams) -> None:
-        if request_id in self.seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
+    def prepare(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
+        """Tokenize and validate without touching engine state, so a front end can reject a bad
+        request (ValueError) before queueing it, from any thread."""
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -79,6 +78,12 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams) -> None:
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.prepare(prompt, params)
         seq = Sequence(request_id=request_id, token_ids=ids, params=params, arrival_time=time.monotonic())
         self.seqs[request_id] = seq
         self.rng.add(request_id, params.seed)
@@ -241,7 +246,9 @@ class LLMEngine:
         seqs = [s.seq for s in sampling]
         ks = [len(drafts.get(q.request_id, [])) for q in seqs]
         B, K, V = len(seqs), max(ks), logits.shape[-1]
-        specs = [row_spec(q, drafts.get(q.request_id, [])[:j], self.eos_ids) for q, k in zip(seqs, ks) for j in range(k + 1)]
+        specs = [
+            row_spec(q, drafts.get(q.request_id, [])[:j], self.eos_ids) for q, k in zip(seqs, ks) for j in range(k + 1)
+        ]
         processed = process_logits(logits, specs)  # [R, V]
         # Row of (sequence b, position j) in the flat logits; padding positions repeat the last row.
         ks_t = torch.tensor(ks, device=dev)  # [B]

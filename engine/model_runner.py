@@ -79,7 +79,7 @@ class ModelRunner:
         shapes: dict[int, LayerShape] = {}
         problems: set[str] = set()
 
-        def record(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN202
+        def record(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN003, ANN202
             shapes[module.layer_idx] = LayerShape(num_kv_heads=key.shape[1], head_dim=key.shape[3])
             if not getattr(module, "is_causal", True):
                 problems.add("bidirectional (non-causal) attention")

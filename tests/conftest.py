@@ -36,7 +36,9 @@ def model_sets(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) ->
     for i, arch in enumerate(ARCHS):
         cfg = tiny_config(arch)
         target = save_model(cfg, root / f"{arch}-target", seed=100 + i, tokenizer_dir=tokenizer_dir)
-        save_model(cfg, root / f"{arch}-draft", seed=200 + i, tokenizer_dir=tokenizer_dir, perturb_from=target, noise=0.15)
+        save_model(
+            cfg, root / f"{arch}-draft", seed=200 + i, tokenizer_dir=tokenizer_dir, perturb_from=target, noise=0.15
+        )
         save_model(cfg, root / f"{arch}-unrelated", seed=300 + i, tokenizer_dir=tokenizer_dir)
         sets[arch] = ModelSet(arch, root / f"{arch}-target", root / f"{arch}-draft", root / f"{arch}-unrelated")
     return sets

@@ -35,7 +35,8 @@ class Reference:
         if key not in self._cache:
             ids = torch.tensor([prompt])
             out = self.model.generate(
-                ids, max_new_tokens=max_new, do_sample=False, eos_token_id=EOS, pad_token_id=EOS, attention_mask=torch.ones_like(ids)
+                ids, max_new_tokens=max_new, do_sample=False, eos_token_id=EOS, pad_token_id=EOS,
+                attention_mask=torch.ones_like(ids),
             )
             self._cache[key] = out[0, len(prompt) :].tolist()
         return self._cache[key]
