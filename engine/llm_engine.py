@@ -135,43 +135,61 @@ class LLMEngine:
             lens[seq.request_id] = min(k, 16)
         return lens
 
+    def _propose(self, scheduled: list[ScheduledSeq]) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+        """Drafts (and the draft distributions, when the drafter has them) per request id."""
+        spec = [s for s in scheduled if s.num_draft_slots > 0]
+        if not spec:
+            return {}, {}
+        assert self.drafter is not None
+        proposal = self.drafter.propose([DraftRequest(s.seq, s.num_draft_slots) for s in spec])
+        drafts = {s.seq.request_id: proposal.tokens[i] for i, s in enumerate(spec)}
+        probs = {} if proposal.probs is None else {s.seq.request_id: proposal.probs[i] for i, s in enumerate(spec)}
+        return drafts, probs
+
+    def _forward(self, scheduled: list[ScheduledSeq], drafts: dict[str, list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """The step's one target pass: each sequence's uncomputed tokens plus its drafts. Sequences
+        that reach their last known token get logits for it and every draft position."""
+        feeds, rows = [], []
+        for s in scheduled:
+            seq = s.seq
+            d = drafts.get(seq.request_id, [])
+            feeds.append(seq.token_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d)
+            rows.append(len(d) + 1 if s.samples else 0)
+        logits = self.target.forward(
+            ForwardBatch(
+                token_ids=feeds,
+                starts=[s.seq.num_computed for s in scheduled],
+                block_tables=[s.seq.block_table for s in scheduled],
+                logits_rows=rows,
+            )
+        )  # [sum(rows), V]
+        self.target.synchronize()
+        return logits, rows
+
+    def _observe_costs(self, num_fed: int, target_seconds: float) -> None:
+        if self.policy is None:
+            return
+        self.policy.target_cost.observe(num_fed, target_seconds)
+        drain = getattr(self.drafter, "forward_times", None)
+        if drain:
+            for n, secs in drain:
+                self.policy.draft_cost.observe(n, secs)
+            drain.clear()
+
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         t_step = time.perf_counter()
         sched = self.scheduler.schedule(self._draft_lens())
         if not sched.scheduled:
             return []
-        spec = [s for s in sched.scheduled if s.num_draft_slots > 0]
-        drafts: dict[str, list[int]] = {}
-        draft_probs: dict[str, torch.Tensor] = {}  # request id -> [K_d, V]
-        t_draft = time.perf_counter()
-        if spec:
-            assert self.drafter is not None
-            proposal = self.drafter.propose([DraftRequest(s.seq, s.num_draft_slots) for s in spec])
-            for i, s in enumerate(spec):
-                drafts[s.seq.request_id] = proposal.tokens[i]
-                if proposal.probs is not None:
-                    draft_probs[s.seq.request_id] = proposal.probs[i]
-        draft_seconds = time.perf_counter() - t_draft
-
         sched_list = sched.scheduled
-        feeds, rows = [], []
-        for s in sched_list:
-            seq = s.seq
-            d = drafts.get(seq.request_id, [])
-            feeds.append(seq.token_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d)
-            rows.append(len(d) + 1 if s.samples else 0)
+        t_draft = time.perf_counter()
+        drafts, draft_probs = self._propose(sched_list)
+        draft_seconds = time.perf_counter() - t_draft
         t_target = time.perf_counter()
-        logits = self.target.forward(
-            ForwardBatch(
-                token_ids=feeds,
-                starts=[s.seq.num_computed for s in sched_list],
-                block_tables=[s.seq.block_table for s in sched_list],
-                logits_rows=rows,
-            )
-        )  # [sum(rows), V]
-        self.target.synchronize()
+        logits, rows = self._forward(sched_list, drafts)
         target_seconds = time.perf_counter() - t_target
+        self._observe_costs(sum(s.num_new_tokens for s in sched_list) + sum(map(len, drafts.values())), target_seconds)
 
         sampling = [s for s, r in zip(sched_list, rows) if r > 0]
         results = self._verify(sampling, drafts, draft_probs, logits) if sampling else []
@@ -204,14 +222,6 @@ class LLMEngine:
             generated += len(out.new_token_ids)
             outputs.append(out)
 
-        if self.policy is not None:
-            if sampling:
-                self.policy.target_cost.observe(sum(len(f) for f in feeds), target_seconds)
-            drain = getattr(self.drafter, "forward_times", None)
-            if drain:
-                for n, secs in drain:
-                    self.policy.draft_cost.observe(n, secs)
-                drain.clear()
         decoding = sum(1 for s in sched_list if s.samples and s.num_new_tokens == 1)
         self.last_step = StepStats(
             num_scheduled=len(sched_list),
