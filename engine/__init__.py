@@ -5,6 +5,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParamError, SamplingParams
+from engine.sequence import TokenLogprob
 from engine.stats import SpecDecodeStats, StepStats
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "SpecDecodeStats",
     "SpeculativeMethod",
     "StepStats",
+    "TokenLogprob",
 ]

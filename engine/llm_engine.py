@@ -195,7 +195,8 @@ class LLMEngine:
         results = self._verify(sampling, drafts, draft_probs, logits) if sampling else []
 
         outputs: list[RequestOutput] = []
-        num_prompt = sum(s.num_new_tokens for s in sched_list if not s.seq.is_decoding)
+        # Prefill work: anything fed below the prompt's end, or a preempted sequence's recomputation.
+        num_prompt = sum(s.num_new_tokens for s in sched_list if s.seq.num_computed < s.seq.num_prompt_tokens)
         for s in sched_list:
             if not s.samples:
                 s.seq.num_computed += s.num_new_tokens
@@ -222,7 +223,7 @@ class LLMEngine:
             generated += len(out.new_token_ids)
             outputs.append(out)
 
-        decoding = sum(1 for s in sched_list if s.samples and s.num_new_tokens == 1)
+        decoding = sum(1 for s in sampling if s.seq.request_id in drafts or s.num_new_tokens == 1)
         self.last_step = StepStats(
             num_scheduled=len(sched_list),
             num_prompt_tokens=num_prompt,

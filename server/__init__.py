@@ -1,0 +1,1 @@
+"""specd's OpenAI-compatible HTTP server over the engine (``specd serve``)."""

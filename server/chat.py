@@ -1,0 +1,144 @@
+"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from server import sse
+from server.async_engine import EngineRequest, RequestHandle
+from server.errors import bad_request, from_exception
+from server.logprobs import chat_logprobs
+from server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    Delta,
+)
+from server.serving import (
+    Choice,
+    Serving,
+    choice_params,
+    collect,
+    new_id,
+    sampling_params,
+    until_disconnect,
+    usage,
+)
+
+
+def render(req: ChatCompletionRequest, ctx: Serving) -> list[int]:
+    """The prompt's token ids. The template already writes any BOS it wants, so no special tokens are added."""
+    tok = ctx.engine.tokenizer
+    template = ctx.chat_template or (getattr(tok, "chat_template", None) if tok is not None else None)
+    if tok is None or not template:
+        raise bad_request(
+            "this model's tokenizer has no chat template, so chat messages cannot be rendered; "
+            "use /v1/completions, or start the server with --chat-template FILE",
+            param="messages", code="chat_template_missing",
+        )
+    messages = []
+    for i, m in enumerate(req.messages):
+        msg = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            if any(part.type != "text" for part in m.content):
+                raise bad_request("only text content parts are supported", param=f"messages.{i}.content")
+            msg["content"] = "".join(part.text or "" for part in m.content)
+        messages.append(msg)
+    try:
+        text = tok.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # jinja2 errors (e.g. raise_exception in the template) describe the messages
+        if type(exc).__module__.startswith("jinja2"):
+            raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
+        raise
+    return tok.encode(text, add_special_tokens=False)
+
+
+async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: Serving) -> Response:
+    ctx.check_model(req.model)
+    if req.tools:
+        raise bad_request("tools are not supported", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("only response_format type 'text' is supported", param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    prompt = render(req, ctx)
+    params = sampling_params(req, ctx.provisional_max(max_tokens), logprobs, ctx.engine.vocab_size)
+    ids, params = ctx.prepare(prompt, params, max_tokens, "messages")  # no max: OpenAI's default, the rest
+    rid = new_id("chatcmpl")
+    requests, choices = [], {}
+    for i in range(req.n):
+        engine_id = f"{rid}-{i}"
+        requests.append(EngineRequest(engine_id, ids, choice_params(params, i)))
+        choices[engine_id] = Choice(i, ids)
+    handle = ctx.submit(requests)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return sse.response(_stream(req, ctx, rid, handle, choices, len(ids), include_usage), handle.close)
+    await until_disconnect(raw, collect(handle, choices))
+    out = []
+    ordered = sorted(choices.values(), key=lambda c: c.index)
+    for c in ordered:
+        extra = {"prompt_token_ids": c.prompt_ids, "token_ids": c.token_ids} if req.return_token_ids else {}
+        out.append(
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=c.text),
+                logprobs=chat_logprobs(ctx.text, c.logprobs) if req.logprobs else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                **extra,
+            )
+        )
+    body = ChatCompletionResponse(id=rid, model=ctx.model_name, choices=out, usage=usage(ordered, len(ids)))
+    return JSONResponse(body.model_dump(mode="json"))
+
+
+async def _stream(
+    req: ChatCompletionRequest,
+    ctx: Serving,
+    rid: str,
+    handle: RequestHandle,
+    choices: dict[str, Choice],
+    num_prompt_tokens: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choice: ChatChunkChoice) -> str:
+        return sse.event(ChatCompletionChunk(id=rid, created=created, model=ctx.model_name, choices=[choice]))
+
+    try:
+        # OpenAI opens every choice with an empty assistant delta.
+        for c in sorted(choices.values(), key=lambda c: c.index):
+            yield chunk(ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content="")))
+        async for out in handle.outputs():
+            c = choices[out.request_id]
+            c.add(out)
+            has_logprobs = req.logprobs and out.new_logprobs
+            if not (out.new_text or out.finished or has_logprobs):
+                continue  # a token whose text is held back (part of a character or of a stop string)
+            yield chunk(
+                ChatChunkChoice(
+                    index=c.index,
+                    delta=Delta(content=out.new_text or None),
+                    logprobs=chat_logprobs(ctx.text, out.new_logprobs) if req.logprobs else None,
+                    finish_reason=out.finish_reason if out.finished else None,
+                    token_ids=list(out.new_token_ids) if req.return_token_ids else None,
+                )
+            )
+        if include_usage:
+            final = usage(list(choices.values()), num_prompt_tokens)
+            chunk_ = ChatCompletionChunk(id=rid, created=created, model=ctx.model_name, choices=[], usage=final)
+            yield sse.event(chunk_)
+    except Exception as exc:  # the status line is sent: report in-band (cancellation is not an Exception)
+        yield sse.error_event(from_exception(exc))
+    yield sse.DONE

@@ -1,0 +1,135 @@
+"""``specd serve``: parse flags (over an optional YAML config), load the model, serve until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
+
+import uvicorn
+
+from server.config import API_KEY_ENV, METHODS, ConfigError, ServerConfig, load_config
+
+logger = logging.getLogger("server")
+
+
+def _k(value: str) -> int | None:
+    if value in ("adaptive", "auto"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'adaptive', got {value!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specd", description="OpenAI-compatible server with speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a model over HTTP", argument_default=argparse.SUPPRESS)
+    d = ServerConfig()  # the defaults, for the help text only: absent flags must not override the YAML
+    s.add_argument("--config", default=None, help="YAML file with the same options (dashes or underscores)")
+    s.add_argument("--model", help="target model directory or hub id (default: the embedded pair in models/default)")
+    s.add_argument("--draft-model", help="draft model sharing the target's tokenizer")
+    s.add_argument("--speculative-method", choices=METHODS, help="default: draft_model with a draft, else none")
+    s.add_argument("--num-speculative-tokens", type=_k, help="drafts per step, 0..16, or 'adaptive' (default)")
+    s.add_argument("--served-model-name", help="the model id clients use (default: the model directory's name)")
+    s.add_argument("--chat-template", help="Jinja file to use instead of the tokenizer's chat template")
+    s.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help=f"default {d.dtype}")
+    s.add_argument("--device", help=f"auto, cpu, cuda or cuda:N (default {d.device})")
+    s.add_argument("--max-model-len", type=int, help="context length (default: the model's own)")
+    s.add_argument("--max-num-seqs", type=int, help=f"largest running batch (default {d.max_num_seqs})")
+    s.add_argument("--max-num-batched-tokens", type=int, help=f"tokens per step (default {d.max_num_batched_tokens})")
+    s.add_argument("--kv-cache-memory-gb", type=float, help=f"KV cache budget (default {d.kv_cache_memory_gb})")
+    s.add_argument("--max-queue", type=int, help=f"waiting requests before 429 (default {d.max_queue})")
+    s.add_argument("--host", help=f"bind address (default {d.host}; 0.0.0.0 to listen on every interface)")
+    s.add_argument("--port", type=int, help=f"default {d.port}")
+    s.add_argument("--api-key", help=f"require Authorization: Bearer KEY on /v1 (or set {API_KEY_ENV})")
+    s.add_argument("--shutdown-timeout", type=float, help=f"seconds to drain on SIGTERM (default {d.shutdown_timeout})")
+    s.add_argument("--seed", type=int, help=f"engine seed for unseeded sampling (default {d.seed})")
+    s.add_argument("--trust-remote-code", action="store_true")
+    s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help=f"default {d.log_level}")
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> ServerConfig:
+    """Flags over the YAML file over the defaults. Raises ConfigError."""
+    args = vars(build_parser().parse_args(argv))
+    args.pop("command")
+    yaml_path = args.pop("config")
+    config = load_config(yaml_path, args)
+    config.check_models_exist()
+    try:
+        config.engine_config()  # the engine's own checks (dtype, k range, ...), before anything loads
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+    except ConfigError as exc:
+        print(f"specd: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+    )
+    return serve(config)
+
+
+def serve(config: ServerConfig) -> int:
+    from server.app import create_app  # torch and transformers: only once the flags are known to be good
+
+    servers: list[_Server] = []
+
+    def on_fatal(exc: BaseException) -> None:
+        logger.error("fatal: %s; shutting down", exc)
+        for server in servers:
+            server.should_exit = True
+
+    app = create_app(config, on_fatal=on_fatal)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        timeout_graceful_shutdown=config.shutdown_timeout,  # type: ignore[arg-type] - a float works
+    )
+    server = _Server(uv_config, on_signal=app.state.specd.begin_drain)
+    servers.append(server)
+    server.run()
+    if app.state.specd.failure is not None:
+        return 1
+    return 0 if server.started else 1
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with two changes: a signal first marks the app as draining (so /health
+    and new requests answer 503 at once), and a graceful shutdown exits 0 instead of re-raising the
+    signal (uvicorn's default makes a clean SIGTERM exit look like a kill)."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_signal()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)

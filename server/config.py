@@ -1,0 +1,181 @@
+"""Server configuration: one frozen dataclass, filled from defaults < YAML file < command-line flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine import EngineConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TARGET = REPO_ROOT / "models" / "default" / "target"
+DEFAULT_DRAFT = REPO_ROOT / "models" / "default" / "draft"
+DEFAULT_SERVED_NAME = "specd-default"
+API_KEY_ENV = "SPECD_API_KEY"
+METHODS = ("draft_model", "ngram", "none")
+
+
+class ConfigError(ValueError):
+    """A configuration the server cannot start with; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str | None = None  # None: the embedded default pair under models/default/
+    draft_model: str | None = None
+    speculative_method: str | None = None  # None: draft_model when a draft is given, else none
+    num_speculative_tokens: int | None = None  # None: adaptive k per sequence per step
+    served_model_name: str | None = None  # None: the model directory's name
+    chat_template: str | None = None  # a Jinja file used instead of the tokenizer's own template
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory_gb: float = 1.0
+    max_queue: int = 512  # requests waiting for a batch slot before new ones get 429
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    seed: int = 0
+    trust_remote_code: bool = False
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), f.type)
+        if self.speculative_method is not None and self.speculative_method not in METHODS:
+            valid = ", ".join(METHODS)
+            raise ConfigError(f"speculative_method must be one of {valid}, got {self.speculative_method!r}")
+        if self.speculative_method == "draft_model" and self.model is not None and not self.draft_model:
+            raise ConfigError("speculative_method draft_model needs --draft-model")
+        if self.max_queue < 1:
+            raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+
+    @property
+    def uses_default_pair(self) -> bool:
+        return self.model is None
+
+    @property
+    def target_path(self) -> str:
+        return self.model if self.model is not None else str(DEFAULT_TARGET)
+
+    @property
+    def draft_path(self) -> str | None:
+        if self.model is None:
+            return self.draft_model or str(DEFAULT_DRAFT)
+        return self.draft_model
+
+    @property
+    def method(self) -> str:
+        if self.speculative_method is not None:
+            return self.speculative_method
+        return "draft_model" if self.draft_path else "none"
+
+    @property
+    def served_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.uses_default_pair:
+            return DEFAULT_SERVED_NAME
+        return Path(self.target_path.rstrip("/")).name or self.target_path
+
+    def check_models_exist(self) -> None:
+        """Fail before loading anything (and before binding a port) when a model path is missing."""
+        if self.uses_default_pair:
+            needed = [self.target_path]
+            if self.method == "draft_model" and self.draft_path:
+                needed.append(self.draft_path)
+            missing = [p for p in needed if not Path(p).exists()]
+            if missing:
+                raise ConfigError(
+                    f"no --model given, and the embedded default model pair is missing ({', '.join(missing)}). "
+                    "Build it first, or serve another model: specd serve --model PATH_OR_HF_DIR "
+                    "[--draft-model PATH] (or --config configs/NAME.yaml)."
+                )
+        for flag, path in (("--model", self.model), ("--draft-model", self.draft_model)):
+            # A hub id is "org/name"; anything that looks like a local path must exist.
+            if path and path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
+                raise ConfigError(f"{flag} {path} does not exist")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ConfigError(f"chat template file {self.chat_template} does not exist")
+
+    def engine_config(self) -> EngineConfig:
+        from engine import EngineConfig  # importing engine loads torch: not needed to check flags
+
+        method = self.method
+        return EngineConfig(
+            model=self.target_path,
+            draft_model=self.draft_path if method == "draft_model" else None,
+            speculative_method=method,
+            num_speculative_tokens=self.num_speculative_tokens,
+            dtype=self.dtype,
+            device=self.device,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_memory_gb=self.kv_cache_memory_gb,
+            seed=self.seed,
+            trust_remote_code=self.trust_remote_code,
+        )
+
+
+def _check_type(name: str, value: Any, annotation: str) -> None:
+    # Annotations are strings under `from __future__ import annotations`; only these few occur.
+    base = annotation.replace(" | None", "")
+    if value is None:
+        if "None" not in annotation:
+            raise ConfigError(f"{name} must not be null")
+        return
+    expected: tuple[type, ...] = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}[base]
+    if isinstance(value, bool) and base != "bool":
+        expected = ()
+    if not isinstance(value, expected):
+        raise ConfigError(f"{name} must be {base}, got {value!r}")
+
+
+def load_config(yaml_path: str | None = None, overrides: dict[str, Any] | None = None) -> ServerConfig:
+    """Defaults, then the YAML file (keys with dashes or underscores), then ``overrides`` (the flags
+    actually given on the command line), then SPECD_API_KEY if no key was set either way."""
+    values: dict[str, Any] = {}
+    if yaml_path is not None:
+        values.update(read_yaml(yaml_path))
+    values.update(overrides or {})
+    if values.get("api_key") is None and os.environ.get(API_KEY_ENV):
+        values["api_key"] = os.environ[API_KEY_ENV]
+    try:
+        return ServerConfig(**values)
+    except TypeError as exc:  # a bad key would have been caught in read_yaml; keep the message anyway
+        raise ConfigError(str(exc)) from None
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    import yaml  # only needed with --config
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of option: value")
+    known = {f.name for f in dataclasses.fields(ServerConfig)}
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"config file {path}: unknown option {key!r} (known: {', '.join(sorted(known))})")
+        if name == "num_speculative_tokens" and value in ("adaptive", "auto"):
+            value = None
+        out[name] = value
+    return out

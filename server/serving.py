@@ -1,0 +1,206 @@
+"""What both generation endpoints share: validation, sampling parameters, submission, per-choice
+state, usage, and aborting when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import uuid
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request
+
+from engine import LLMEngine, RequestOutput, SamplingParams
+from engine.sequence import TokenLogprob
+from server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineRequest,
+    NotAcceptingError,
+    QueueFullError,
+    RequestHandle,
+)
+from server.errors import APIError, bad_request, unavailable
+from server.logprobs import TokenText
+from server.protocol import SamplingFields, Usage
+
+T = TypeVar("T")
+RETRY_AFTER_S = 1
+
+
+class ClientGoneError(Exception):
+    """The client disconnected before the response was ready."""
+
+
+@dataclass(frozen=True)
+class Serving:
+    """Everything a request handler needs, available once the engine has loaded."""
+
+    engine: LLMEngine  # only prepare() and read-only attributes are used from the event loop
+    async_engine: AsyncEngine
+    model_name: str
+    text: TokenText
+    chat_template: str | None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise APIError(
+                404, f"the model {requested!r} does not exist; this server serves {self.model_name!r}",
+                type="not_found_error", param="model", code="model_not_found",
+            )
+
+    def prepare(
+        self, prompt: str | Sequence[int], params: SamplingParams, requested_max: int | None, param: str
+    ) -> tuple[list[int], SamplingParams]:
+        """Tokenize and validate. ``params`` were built with a provisional max_tokens: with
+        ``requested_max`` None the completion gets whatever the context leaves, else prompt plus
+        max_tokens must fit in the context."""
+        try:
+            ids = self.engine.prepare(prompt, params)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=param, code="invalid_prompt") from None
+        if requested_max is None:
+            return ids, dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
+        need = len(ids) + params.max_tokens
+        if need > self.max_model_len:
+            raise bad_request(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {need} were requested "
+                f"({len(ids)} in the prompt, {params.max_tokens} for the completion); reduce the prompt or max_tokens",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        return ids, params
+
+    def provisional_max(self, requested_max: int | None) -> int:
+        return requested_max if requested_max is not None else self.max_model_len - 1
+
+    def submit(self, requests: list[EngineRequest]) -> RequestHandle:
+        try:
+            return self.async_engine.submit(requests)
+        except QueueFullError as exc:
+            raise APIError(
+                429, f"the server is busy: {exc}; retry later", type="rate_limit_error", code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+        except (NotAcceptingError, EngineDeadError) as exc:
+            raise unavailable(str(exc)) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    """The request's fields as SamplingParams (their range errors name the field: a 400 upstream)."""
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})", "logit_bias")
+        bias[token] = value
+    stop_ids = tuple(req.stop_token_ids or ())
+    if any(not 0 <= t < vocab_size for t in stop_ids):
+        raise bad_request(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=bias,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=stop_ids,
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        num_speculative_tokens=req.num_speculative_tokens,
+    )
+
+
+def choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice i of n: with a seed, seed + i, so choices differ yet each is reproducible."""
+    if params.seed is None or i == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + i)
+
+
+@dataclass
+class Choice:
+    """One choice's accumulated output."""
+
+    index: int
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    started: bool = False
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids.extend(out.new_token_ids)
+        self.text += out.new_text
+        self.logprobs.extend(out.new_logprobs)
+        self.finish_reason = out.finish_reason
+        self.stop_reason = out.stop_reason
+        # Counts are cumulative; a synthetic abort output carries zeros, so never go down.
+        self.num_draft_tokens = max(self.num_draft_tokens, out.num_draft_tokens)
+        self.num_accepted_tokens = max(self.num_accepted_tokens, out.num_accepted_tokens)
+
+
+def usage(choices: Sequence[Choice], num_prompt_tokens: int) -> Usage:
+    completion = sum(len(c.token_ids) for c in choices)
+    return Usage(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=num_prompt_tokens + completion,
+        spec_draft_tokens=sum(c.num_draft_tokens for c in choices),
+        spec_accepted_tokens=sum(c.num_accepted_tokens for c in choices),
+    )
+
+
+async def collect(handle: RequestHandle, choices: dict[str, Choice]) -> None:
+    async for out in handle.outputs():
+        choices[out.request_id].add(out)
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first: then cancel it (which aborts its engine
+    requests) and raise ClientGoneError. A plain (non-streaming) route is not cancelled by the
+    server when its client leaves, so it has to watch by itself."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watch.cancel()
+        raise
+    watch.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientGoneError()
+    return task.result()

@@ -1,0 +1,174 @@
+"""The command line: YAML and flags, the missing default pair, and the process's exit codes on
+SIGTERM (drains, exits 0), an engine crash and a failed load (exit non-zero, no zombie)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import server.config
+from server.cli import main, parse_config
+from server.config import ConfigError
+
+pytestmark = pytest.mark.timeout(90)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_flags_win_over_yaml_keys_written_either_way(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: org/m\nmax-num-seqs: 8\nport: 9000\nnum_speculative_tokens: adaptive\nhost: 0.0.0.0\n")
+    config = parse_config(["serve", "--config", str(path), "--port", "9001", "--draft-model", "org/d"])
+    assert (config.model, config.max_num_seqs, config.port, config.host) == ("org/m", 8, 9001, "0.0.0.0")
+    assert config.num_speculative_tokens is None and config.method == "draft_model"
+    assert config.served_name == "m"
+    engine_config = config.engine_config()
+    assert engine_config.draft_model == "org/d" and engine_config.max_num_seqs == 8
+    assert parse_config(["serve", "--model", "org/m", "--num-speculative-tokens", "3"]).num_speculative_tokens == 3
+    assert parse_config(["serve", "--model", "org/m"]).host == "127.0.0.1"
+
+
+def test_api_key_comes_from_the_environment_unless_given(monkeypatch):
+    monkeypatch.setenv("SPECD_API_KEY", "from-env")
+    assert parse_config(["serve", "--model", "org/m"]).api_key == "from-env"
+    assert parse_config(["serve", "--model", "org/m", "--api-key", "flag"]).api_key == "flag"
+
+
+@pytest.mark.parametrize(
+    ("yaml", "message"),
+    [
+        ("modle: org/m\n", "unknown option 'modle'"),
+        ("model: org/m\nport: eighty\n", "port must be int"),
+        ("- a\n", "mapping"),
+    ],
+)
+def test_bad_yaml_is_a_clear_error(tmp_path, yaml, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml)
+    with pytest.raises(ConfigError, match=message):
+        parse_config(["serve", "--config", str(path)])
+
+
+def test_without_model_and_without_the_default_pair_exit_code_is_nonzero_with_a_hint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(server.config, "DEFAULT_TARGET", tmp_path / "nope" / "target")
+    monkeypatch.setattr(server.config, "DEFAULT_DRAFT", tmp_path / "nope" / "draft")
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "default model pair is missing" in err and "--model" in err
+
+
+def test_a_missing_local_model_path_is_reported_before_loading(capsys):
+    assert main(["serve", "--model", "/no/such/model"]) == 2
+    assert "--model /no/such/model does not exist" in capsys.readouterr().err
+
+
+def test_example_configs_parse(monkeypatch):
+    monkeypatch.setattr(server.config.ServerConfig, "check_models_exist", lambda self: None)
+    names = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+    assert "default.yaml" in names and any("8b" in n for n in names)
+    for name in names:
+        config = parse_config(["serve", "--config", str(ROOT / "configs" / name)])
+        config.engine_config()
+    gpu = parse_config(["serve", "--config", str(ROOT / "configs" / "llama-3.1-8b-gpu.yaml")])
+    assert (gpu.dtype, gpu.device, gpu.method) == ("bfloat16", "cuda", "draft_model")
+
+
+# ---- the real process ---------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    def __init__(self, tmp_path: Path, args: list[str], **env: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp_path / "server.log"
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+        script = ROOT / "tests" / "server" / "serve_with_faults.py"
+        cmd = [sys.executable, str(script), "serve", "--port", str(self.port)]
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(cmd + args, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"exited early:\n{self.log.read_text()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"not ready in {timeout}s:\n{self.log.read_text()}")
+
+    def wait_exit(self, timeout: float = 30) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"did not exit in {timeout}s:\n{self.log.read_text()}") from None
+
+
+@pytest.fixture
+def model_args(model_sets) -> list[str]:
+    ms = model_sets["llama"]
+    return ["--model", str(ms.target), "--draft-model", str(ms.draft), "--dtype", "float32", "--device", "cpu"]
+
+
+def health_after_signal(url: str) -> int | str:
+    """/health once the signal has landed: 503 (draining) or a refused connection (listener closed)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            status = httpx.get(url + "/health", timeout=1).status_code
+        except httpx.TransportError:
+            return "refused"
+        if status != 200:
+            return status
+        time.sleep(0.02)
+    return 200
+
+
+def test_sigterm_drains_the_stream_in_flight_then_exits_0(tmp_path, model_args):
+    proc = Process(tmp_path, [*model_args, "--shutdown-timeout", "20"], SPECD_TEST_STEP_SLEEP="0.005")
+    proc.wait_ready()
+    body = {"prompt": "def", "max_tokens": 300, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=30) as resp:
+        lines = resp.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        proc.proc.send_signal(signal.SIGTERM)
+        assert health_after_signal(proc.url) in (503, "refused")  # while the stream goes on
+        events = [line.removeprefix("data: ") for line in lines if line.startswith("data:")]
+    assert events[-1] == "[DONE]" and '"completion_tokens":300' in events[-2]
+    assert proc.wait_exit() == 0
+
+
+def test_engine_crash_ends_the_process_with_a_nonzero_code(tmp_path, model_args):
+    proc = Process(tmp_path, model_args, SPECD_TEST_CRASH_AFTER="3")
+    proc.wait_ready()
+    body = {"prompt": "def", "max_tokens": 50, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=30) as resp:
+        events = [line for line in resp.iter_lines() if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]" and '"error"' in events[-2]
+    assert proc.wait_exit() == 1
+    assert "injected engine crash" in proc.log.read_text()
+
+
+def test_a_model_that_fails_to_load_ends_the_process_with_a_nonzero_code(tmp_path):
+    (tmp_path / "not-a-model").mkdir()
+    proc = Process(tmp_path, ["--model", str(tmp_path / "not-a-model"), "--device", "cpu"])
+    assert proc.wait_exit(60) == 1
+    assert "loading the model failed" in proc.log.read_text()
