@@ -82,11 +82,16 @@ class AcceptanceEstimate:
 class AdaptivePolicy:
     """Per-sequence k from that sequence's acceptance and the measured costs of this batch size.
     A sequence that stopped speculating probes with one draft every ``probe_interval`` steps, so a
-    drafter that starts to agree (a repetitive stretch, a smaller batch) is noticed again."""
+    drafter that starts to agree (a repetitive stretch, a smaller batch) is noticed again. Each
+    probe that accepts nothing doubles that sequence's interval (up to ``max_probe_interval``), so a
+    drafter that is simply useless costs almost nothing; any accepted probe resets it."""
 
-    def __init__(self, k_max: int, probe_interval: int = 16) -> None:
+    def __init__(self, k_max: int, probe_interval: int = 16, max_probe_interval: int = 256) -> None:
         self.k_max = k_max
         self.probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
+        self._interval: dict[str, int] = {}  # per sequence, once a probe has failed
+        self._probing: set[str] = set()
         self.target_cost = LinearCost()
         self.draft_cost = LinearCost()
         self.global_alpha = AcceptanceEstimate(decay=0.98)
@@ -120,9 +125,10 @@ class AdaptivePolicy:
             self._idle_steps[request_id] = 0
             return k
         idle = self._idle_steps.get(request_id, 0) + 1
-        if idle >= self.probe_interval:
+        if idle >= self._interval.get(request_id, self.probe_interval):
             idle = 0
             k = 1
+            self._probing.add(request_id)
         self._idle_steps[request_id] = idle
         return k
 
@@ -131,7 +137,16 @@ class AdaptivePolicy:
             return
         self._seq_alpha.setdefault(request_id, AcceptanceEstimate()).observe(k, accepted)
         self.global_alpha.observe(k, accepted)
+        probed = request_id in self._probing
+        self._probing.discard(request_id)
+        if accepted:
+            self._interval.pop(request_id, None)
+        elif probed:
+            current = self._interval.get(request_id, self.probe_interval)
+            self._interval[request_id] = min(2 * current, self.max_probe_interval)
 
     def forget(self, request_id: str) -> None:
         self._seq_alpha.pop(request_id, None)
         self._idle_steps.pop(request_id, None)
+        self._interval.pop(request_id, None)
+        self._probing.discard(request_id)

@@ -193,3 +193,27 @@ def test_frozen_reference_makes_seeded_choices_independent_of_batch_size():
     assert len(set(seeded.values())) == 1 and seeded[1] > 0
     # Without the frozen reference, a large batch makes drafts too dear.
     assert policy.choose("u", batch=64, batch_independent=False) < seeded[1]
+
+
+def test_failed_probes_back_off_exponentially_and_an_accepted_probe_resets():
+    from engine.spec.adaptive import AdaptivePolicy
+
+    policy = AdaptivePolicy(k_max=4, probe_interval=4, max_probe_interval=16)
+    policy.target_cost.observe(1, 1.0)
+    policy.draft_cost.observe(1, 5.0)  # drafting never pays: only probes draft
+
+    def probe_steps(n):
+        steps = []
+        for i in range(n):
+            k = policy.choose("r", batch=1, batch_independent=False)
+            if k:
+                steps.append(i)
+                policy.observe("r", k, accepted=0)
+        return steps
+
+    steps = probe_steps(60)
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    assert steps[0] == 3 and gaps[:3] == [8, 16, 16]  # 4, then doubled to 8, 16, capped at 16
+    policy.observe("r", 1, accepted=1)  # a regular observation that accepted: back to the base interval
+    nxt = probe_steps(10)
+    assert nxt and nxt[0] == 3
