@@ -72,17 +72,23 @@ class LLM:
         results: dict[str, CompletionOutput] = {}
         order = []
         for prompt, p in zip(prompts, plist):
+            engine.prepare(prompt, p)  # every prompt is checked before any is queued
+        for prompt, p in zip(prompts, plist):
             rid = f"gen-{next(self._ids)}"
             engine.add_request(rid, prompt, p)
             results[rid] = CompletionOutput(rid, list(engine.seqs[rid].token_ids))
             order.append(rid)
         pending = set(order)
-        while pending:
-            for out in engine.step():
-                if out.request_id in results:
-                    results[out.request_id].add(out)
-                    if out.finished:
-                        pending.discard(out.request_id)
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.request_id in results:
+                        results[out.request_id].add(out)
+                        if out.finished:
+                            pending.discard(out.request_id)
+        finally:  # an exception (or Ctrl-C) must not leave requests holding KV blocks
+            for rid in pending:
+                engine.abort(rid)
         return [results[r] for r in order]
 
     def stats(self) -> SpecDecodeStats:

@@ -220,3 +220,11 @@ def test_adaptive_k_mostly_stops_drafting_with_a_useless_drafter(model_sets, tok
     llm.generate([prompt], SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))
     stats = llm.stats()
     assert stats.num_drafts <= 120 / 4, f"drafted on {stats.num_drafts} of ~120 steps"
+
+
+def test_a_bad_prompt_in_a_batch_queues_nothing(model_sets, tokenizer_dir):
+    llm = llm_for(model_sets["llama"], method="none", k=None, max_model_len=40)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([prompts_for(tokenizer_dir)[0], [1, 99999]], SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
