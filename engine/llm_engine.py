@@ -233,6 +233,7 @@ class LLMEngine:
             num_accepted_tokens=n_accepted,
             accepted_per_position=tuple(pos_counts),
             accepted_lengths=tuple(accepted_lengths),
+            num_decoding=decoding,
             mean_k=n_draft_tokens / decoding if decoding else 0.0,
             num_preempted=len(sched.preempted),
             num_running=self.num_running,

@@ -18,7 +18,8 @@ class StepStats:
     num_accepted_tokens: int
     accepted_per_position: tuple[int, ...]
     accepted_lengths: tuple[int, ...]
-    mean_k: float  # mean drafts proposed per decoding sequence
+    num_decoding: int  # sequences that sampled with at most one new token (plus drafts) this step
+    mean_k: float  # drafts verified per decoding sequence
     num_preempted: int
     num_running: int
     num_waiting: int

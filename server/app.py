@@ -24,7 +24,9 @@ from server.errors import APIError, from_exception, unavailable
 from server.logprobs import TokenText
 from server.metrics import CONTENT_TYPE, Metrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from server.request_stats import RequestTracking
 from server.serving import ClientGoneError, Serving
+from server.stats_log import StatsLog
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ class AppState:
 
     config: ServerConfig
     metrics: Metrics
+    stats_log: StatsLog | None = None  # None: --log-stats-interval 0
     serving: Serving | None = None
     draining: bool = False
     failure: BaseException | None = None
@@ -63,6 +66,11 @@ def create_app(
     or the engine loop fails, so the process can exit non-zero."""
     factory = engine_factory or (lambda: LLMEngine(config.engine_config()))
     state = AppState(config, Metrics(config.served_name))
+    if config.log_stats_interval > 0:
+        state.stats_log = StatsLog(config.log_stats_interval)
+    tracking = RequestTracking(
+        state.metrics, log_requests=config.log_requests or config.log_request_text, log_text=config.log_request_text
+    )
 
     def fail(exc: BaseException) -> None:
         state.failure = exc
@@ -86,17 +94,23 @@ def create_app(
         def ready(engine: LLMEngine, template: str | None) -> None:
             if state.draining:  # shut down while loading: nothing to serve
                 return
-            async_engine = AsyncEngine(engine, config.max_queue, observer=state.metrics, on_fatal=fail)
-            state.serving = Serving(engine, async_engine, config.served_name, TokenText(engine.tokenizer), template)
+            observers = [state.metrics] if state.stats_log is None else [state.metrics, state.stats_log]
+            async_engine = AsyncEngine(engine, config.max_queue, observers=observers, on_fatal=fail)
+            state.serving = Serving(
+                engine, async_engine, config.served_name, TokenText(engine.tokenizer), template, tracking
+            )
             async_engine.start()
             logger.info("ready: serving %s", config.served_name)
 
         # A daemon thread, not the default executor: a shutdown during a long load must not wait for it.
         threading.Thread(target=load, name="specd-load", daemon=True).start()
+        stats_task = asyncio.create_task(state.stats_log.run()) if state.stats_log is not None else None
         yield
         state.draining = True
         if state.serving is not None:
             await state.serving.async_engine.shutdown(config.shutdown_timeout)
+        if stats_task is not None:
+            stats_task.cancel()
 
     app = FastAPI(title="specd", lifespan=lifespan)
     app.state.specd = state

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,11 +34,22 @@ class NotAcceptingError(RuntimeError):
 
 
 class EngineObserver(Protocol):
-    """Told about every step and every batch of aborts, in the worker thread (metrics live here)."""
+    """Told about every step, every batch of aborts, and the queue time of each request when its
+    first step starts, in the worker thread (metrics and the stats log live here)."""
 
     def observe_step(self, step: StepStats, outputs: list[RequestOutput]) -> None: ...
 
     def observe_aborts(self, num_aborted: int, num_running: int, num_waiting: int, kv_usage: float) -> None: ...
+
+    def observe_scheduled(self, queue_seconds: list[float]) -> None: ...
+
+
+class RequestObserver(Protocol):
+    """Told, on the event loop, about each delta one HTTP request receives and how its reading ended."""
+
+    def on_output(self, out: RequestOutput) -> None: ...
+
+    def on_end(self, unfinished: Collection[str], reason: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -50,10 +62,13 @@ class EngineRequest:
 class RequestHandle:
     """The engine requests of one HTTP request (its n choices), sharing one queue of deltas."""
 
-    def __init__(self, owner: AsyncEngine, request_ids: list[str]) -> None:
+    def __init__(self, owner: AsyncEngine, request_ids: list[str], observer: RequestObserver | None = None) -> None:
         self._owner = owner
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.pending = set(request_ids)
+        self._observer = observer
+        self._closed = False
+        self._failure = "client_disconnect"  # why pending requests end if reading stops early
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Deltas as they come, until every request finished; leaving early aborts the rest."""
@@ -61,7 +76,10 @@ class RequestHandle:
             while self.pending:
                 item = await self.queue.get()
                 if isinstance(item, BaseException):
+                    self._failure = "error"
                     raise item
+                if self._observer is not None:
+                    self._observer.on_output(item)
                 if item.finished:
                     self.pending.discard(item.request_id)
                     self._owner.forget(item.request_id)
@@ -71,8 +89,13 @@ class RequestHandle:
 
     def close(self) -> None:
         """Abort whatever has not finished (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         for rid in list(self.pending):
             self._owner.abort(rid)
+        if self._observer is not None:
+            self._observer.on_end(sorted(self.pending), self._failure)
         self.pending.clear()
 
 
@@ -85,18 +108,19 @@ class AsyncEngine:
         self,
         engine: LLMEngine,
         max_queue: int,
-        observer: EngineObserver | None = None,
+        observers: Sequence[EngineObserver] = (),
         on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self.max_queue = max_queue
-        self._observer = observer
+        self._observers = list(observers)
         self._on_fatal = on_fatal
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handles: dict[str, RequestHandle] = {}  # request id -> its HTTP request (loop side)
         # Shared with the worker, guarded by _cond: commands not yet applied, and the engine's waiting count.
         self._cond = threading.Condition()
         self._adds: list[EngineRequest] = []
+        self._queued_at: dict[str, float] = {}  # request id -> when submit() queued it, until the worker adds it
         self._aborts: list[str] = []
         self._num_waiting = 0
         self._stopping = False
@@ -150,19 +174,21 @@ class AsyncEngine:
     def forget(self, request_id: str) -> None:
         self._handles.pop(request_id, None)
 
-    def submit(self, requests: list[EngineRequest]) -> RequestHandle:
+    def submit(self, requests: list[EngineRequest], observer: RequestObserver | None = None) -> RequestHandle:
         """Queue all of ``requests`` at once or none: raises QueueFullError, NotAcceptingError, EngineDeadError."""
         if self.error is not None:
             raise EngineDeadError("the engine loop has stopped after an error")
         if not self._accepting:
             raise NotAcceptingError("the server is shutting down")
-        handle = RequestHandle(self, [r.request_id for r in requests])
+        handle = RequestHandle(self, [r.request_id for r in requests], observer)
         with self._cond:
             waiting = self._num_waiting + len(self._adds)
             if waiting + len(requests) > self.max_queue:
                 raise QueueFullError(f"{waiting} requests are waiting for a batch slot (max_queue {self.max_queue})")
+            now = time.monotonic()
             for r in requests:
                 self._handles[r.request_id] = handle
+                self._queued_at[r.request_id] = now
             self._adds.extend(requests)
             self._cond.notify()
         return handle
@@ -199,6 +225,7 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         last: StepStats | None = engine.last_step
+        unscheduled: dict[str, float] = {}  # request id -> when it was queued, until its first step
         try:
             while True:
                 with self._cond:
@@ -209,26 +236,38 @@ class AsyncEngine:
                         break
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
-                    # Applied under the lock so a submitter never sees a request in neither count.
-                    num_aborted = sum(engine.abort(rid) for rid in aborts)
+                    # Applied under the lock so a submitter never sees a request in neither count; adds
+                    # first, so that a request aborted before the worker ever saw it is aborted, not run.
                     for r in adds:
+                        queued_at = self._queued_at.pop(r.request_id, time.monotonic())
                         try:
                             engine.add_request(r.request_id, r.prompt_token_ids, r.params)
                         except ValueError as exc:  # already validated by prepare(); fail the request, not the loop
                             self._post(self._reject, r.request_id, exc)
+                            continue
+                        unscheduled[r.request_id] = queued_at
+                    num_aborted = sum(engine.abort(rid) for rid in aborts)
                     self._num_waiting = engine.num_waiting
-                if num_aborted and self._observer is not None:
+                for rid in aborts:
+                    unscheduled.pop(rid, None)
+                if num_aborted:
                     usage = engine.block_manager.usage
-                    self._observer.observe_aborts(num_aborted, engine.num_running, engine.num_waiting, usage)
+                    for o in self._observers:
+                        o.observe_aborts(num_aborted, engine.num_running, engine.num_waiting, usage)
                 if not engine.has_unfinished():
                     continue
+                started = time.monotonic()
                 outputs = engine.step()
                 with self._cond:
                     self._num_waiting = engine.num_waiting
-                if engine.last_step is not last:  # a step that scheduled nothing leaves last_step as it was
+                # A step that scheduled nothing leaves last_step as it was.
+                if engine.last_step is not None and engine.last_step is not last:
                     last = engine.last_step
-                    if self._observer is not None and last is not None:
-                        self._observer.observe_step(last, outputs)
+                    queue_seconds = self._first_scheduled(unscheduled, started)
+                    for o in self._observers:
+                        o.observe_step(last, outputs)
+                        if queue_seconds:
+                            o.observe_scheduled(queue_seconds)
                 if outputs:
                     self._post(self._deliver, outputs)
         except BaseException as exc:  # any failure here is fatal and must reach the loop
@@ -238,6 +277,13 @@ class AsyncEngine:
         # Leave the engine clean for whoever uses it next (tests reuse one engine across servers).
         for rid in list(engine.seqs):
             engine.abort(rid)
+
+    def _first_scheduled(self, unscheduled: dict[str, float], step_start: float) -> list[float]:
+        """Queue times of the requests this step scheduled for the first time (they now have computed
+        tokens, or finished within it), measured to the start of the step; forgets them."""
+        seqs = self.engine.seqs
+        done = [rid for rid in unscheduled if (seq := seqs.get(rid)) is None or seq.num_computed > 0]
+        return [step_start - unscheduled.pop(rid) for rid in done]
 
     def _post(self, fn: Callable[..., None], *args: object) -> None:
         assert self._loop is not None

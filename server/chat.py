@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -21,6 +22,7 @@ from server.protocol import (
     ChatCompletionResponse,
     Delta,
 )
+from server.request_stats import RequestInfo
 from server.serving import (
     Choice,
     Serving,
@@ -60,7 +62,12 @@ def render(req: ChatCompletionRequest, ctx: Serving) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
+def _messages_text(req: ChatCompletionRequest) -> str:
+    return json.dumps([m.model_dump(exclude_none=True) for m in req.messages])
+
+
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: Serving) -> Response:
+    arrival = time.monotonic()
     ctx.check_model(req.model)
     if req.tools:
         raise bad_request("tools are not supported", param="tools")
@@ -79,7 +86,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
         engine_id = f"{rid}-{i}"
         requests.append(EngineRequest(engine_id, ids, choice_params(params, i)))
         choices[engine_id] = Choice(i, ids)
-    handle = ctx.submit(requests)
+    handle = ctx.submit(requests, RequestInfo(rid, arrival, len(ids), lambda: _messages_text(req)))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return sse.response(_stream(req, ctx, rid, handle, choices, len(ids), include_usage), handle.close)

@@ -53,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, help=f"engine seed for unseeded sampling (default {d.seed})")
     s.add_argument("--trust-remote-code", action="store_true")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help=f"default {d.log_level}")
+    s.add_argument(
+        "--log-stats-interval", type=float,
+        help=f"seconds between stats log lines while busy, 0 for none (default {d.log_stats_interval:g})",
+    )
+    s.add_argument("--log-requests", action="store_true", help="log one line per request: ids, lengths, timings")
+    s.add_argument(
+        "--log-request-text", action="store_true", help="also log prompts and completions (implies --log-requests)"
+    )
     return parser
 
 

@@ -13,6 +13,7 @@ from server.async_engine import EngineRequest, RequestHandle
 from server.errors import bad_request, from_exception
 from server.logprobs import TextOffsets, completion_logprobs
 from server.protocol import CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse
+from server.request_stats import RequestInfo
 from server.serving import (
     Choice,
     Serving,
@@ -37,6 +38,7 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
 
 
 async def create_completion(req: CompletionRequest, raw: Request, ctx: Serving) -> Response:
+    arrival = time.monotonic()
     ctx.check_model(req.model)
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
@@ -57,7 +59,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: Serving) 
             choices[engine_id] = Choice(index, ids)
     echo = [p if isinstance(p, str) else _decode(ctx, i) for p, i in zip(prompts, prompt_ids)] if req.echo else None
     num_prompt_tokens = sum(len(i) for i in prompt_ids)
-    handle = ctx.submit(requests)
+    handle = ctx.submit(requests, RequestInfo(rid, arrival, num_prompt_tokens, lambda: str(req.prompt)))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         events = _stream(req, ctx, rid, handle, choices, echo, n, num_prompt_tokens, include_usage)

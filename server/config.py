@@ -45,6 +45,9 @@ class ServerConfig:
     seed: int = 0
     trust_remote_code: bool = False
     log_level: str = "info"
+    log_stats_interval: float = 10.0  # seconds between stats log lines while busy; 0 turns them off
+    log_requests: bool = False  # one line per request: ids, token counts, timings (never text)
+    log_request_text: bool = False  # also the prompt and completion text (implies log_requests)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -60,6 +63,8 @@ class ServerConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.log_stats_interval < 0:
+            raise ConfigError(f"log_stats_interval must be >= 0 (0 turns it off), got {self.log_stats_interval}")
 
     @property
     def uses_default_pair(self) -> bool:

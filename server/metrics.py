@@ -1,68 +1,176 @@
-"""Prometheus series, fed from the engine's StepStats in the worker thread (prometheus_client is thread-safe).
+"""The Prometheus series. Every series carries ``model_name``; the README's "Observability" section
+documents each one, its window and its unit.
 
-A minimal set; every series carries a ``model_name`` label. Prompt tokens count what prefill fed,
-so a preempted request's recomputed prompt counts again (that work was really done).
+Two feeds (prometheus_client is thread-safe):
+- the engine's worker thread, per step (``observe_step``, ``observe_aborts``, ``observe_scheduled``:
+  the EngineObserver protocol): speculation counters, the accepted-length histogram, queue time,
+  the running/waiting/KV gauges, and the sliding window behind the rate gauges;
+- the event loop, per delivered delta (server.request_stats.RequestTracker): prompt and generation
+  tokens, TTFT, inter-token latency, end-to-end latency, and how each request ended. Counting what
+  was delivered is what makes generation_tokens_total equal the sum of usage.completion_tokens.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engine import RequestOutput, StepStats
+from server.count_histogram import CountHistogram
+from server.step_window import StepWindow
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+WINDOW_SECONDS = 30.0  # the rate gauges cover the steps that ended in the last 30 s
+SUCCESS_REASONS = ("stop", "length")
+# client_disconnect: the client went away (or the handler stopped reading) before the request finished;
+# abort: the server aborted it (SIGTERM drain deadline passed); error: the engine failed or refused it.
+FAILURE_REASONS = ("client_disconnect", "abort", "error")
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+               0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+MAX_ACCEPTED_LENGTH = 17  # k <= 16: 1..17 tokens per verify step, one bucket each
 
 
 class Metrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(
+        self, model_name: str, window_seconds: float = WINDOW_SECONDS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.registry = CollectorRegistry()  # one per app: no process-global state
         self.model_name = model_name
-        labels = ["model_name"]
-        r = self.registry
-        self.prompt_tokens = Counter("specd:prompt_tokens", "Prompt tokens prefilled.", labels, registry=r)
-        self.generation_tokens = Counter("specd:generation_tokens", "Tokens generated.", labels, registry=r)
-        self.num_drafts = Counter(
-            "specd:spec_decode_num_drafts", "Sequence-steps that verified at least one draft token.", labels, registry=r
+        self.window = StepWindow(window_seconds, clock)
+        r, name, m = self.registry, model_name, ["model_name"]
+
+        def counter(metric: str, doc: str) -> Counter:
+            return Counter(metric, doc, m, registry=r).labels(name)  # created now: zeros from the first scrape
+
+        def gauge(metric: str, doc: str) -> Gauge:
+            return Gauge(metric, doc, m, registry=r).labels(name)
+
+        def histogram(metric: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(metric, doc, m, buckets=buckets, registry=r).labels(name)
+
+        # Speculation, from StepStats.
+        self.num_drafts = counter("specd:spec_decode_num_drafts", "Sequence-steps that verified at least one draft.")
+        self.draft_tokens = counter("specd:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
+        self.accepted_tokens = counter("specd:spec_decode_num_accepted_tokens", "Draft tokens the target accepted.")
+        self._per_pos_family = Counter(
+            "specd:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0 = the first draft token).",
+            [*m, "position"], registry=r,
         )
-        self.draft_tokens = Counter(
-            "specd:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", labels, registry=r
+        self._per_pos: list[Counter] = []
+        self.accepted_length = CountHistogram(
+            "specd:spec_decode_accepted_length",
+            "Tokens emitted per verify step (accepted drafts + 1), per sequence that drafted.",
+            name, MAX_ACCEPTED_LENGTH, r,
         )
-        self.accepted_tokens = Counter(
-            "specd:spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.", labels, registry=r
+        # Tokens and requests, from what the HTTP handlers delivered.
+        self.prompt_tokens = counter("specd:prompt_tokens", "Prompt tokens of requests, counted once per request.")
+        self.generation_tokens = counter("specd:generation_tokens", "Generated tokens delivered to requests.")
+        self._success_family = Counter(
+            "specd:request_success", "Engine requests (choices) finished, by finish_reason.",
+            [*m, "finish_reason"], registry=r,
         )
-        self.requests_finished = Counter(
-            "specd:requests_finished", "Engine requests finished, by reason.", [*labels, "finished_reason"], registry=r
+        self._success = {reason: self._success_family.labels(name, reason) for reason in SUCCESS_REASONS}
+        failure = Counter(
+            "specd:request_failure", f"Engine requests (choices) that did not finish, by reason: {FAILURE_REASONS}.",
+            [*m, "reason"], registry=r,
         )
-        self.running = Gauge("specd:num_requests_running", "Requests in the running batch.", labels, registry=r)
-        self.waiting = Gauge("specd:num_requests_waiting", "Requests waiting for a batch slot.", labels, registry=r)
-        self.kv_usage = Gauge("specd:kv_cache_usage_perc", "Fraction of KV cache blocks in use.", labels, registry=r)
-        name = model_name
-        for metric in (self.prompt_tokens, self.generation_tokens, self.num_drafts, self.draft_tokens,
-                       self.accepted_tokens, self.running, self.waiting, self.kv_usage):
-            metric.labels(name)  # export zeros from the start, so rates work from the first scrape
+        self._failure = {reason: failure.labels(name, reason) for reason in FAILURE_REASONS}
+        # State, as of the last step or abort.
+        self.running = gauge("specd:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("specd:num_requests_waiting", "Requests waiting for a batch slot.")
+        self.kv_usage = gauge("specd:kv_cache_usage_perc", "Fraction of KV cache blocks in use, 0..1 (1 = full).")
+        # Rates over the sliding window, computed when scraped so that they fall to 0 when idle.
+        seconds = f"the steps that ended in the last {window_seconds:g} s"
+        window = self.window
+        windowed: list[tuple[str, str, Callable[[], float]]] = [
+            ("specd:spec_decode_acceptance_rate", f"Accepted / drafted tokens over {seconds}; 0 without drafts.",
+             lambda: window.totals().acceptance_rate),
+            ("specd:generation_tokens_per_second", f"Tokens generated in {seconds}, per second.",
+             window.tokens_per_second),
+            ("specd:spec_decode_num_speculative_tokens",
+             f"Mean drafts per decoding sequence (the k being chosen) over {seconds}.", lambda: window.totals().mean_k),
+        ]
+        for metric, doc, value in windowed:
+            gauge(metric, doc).set_function(value)
+        # Latency, per engine request (choice).
+        self.ttft = histogram(
+            "specd:time_to_first_token_seconds", "Arrival to the first generated token reaching the handler.",
+            TTFT_BUCKETS,
+        )
+        self.itl = histogram(
+            "specd:inter_token_latency_seconds",
+            "Gap between deltas divided by the tokens in the later one, observed once per token.", ITL_BUCKETS,
+        )
+        self.e2e = histogram("specd:e2e_request_latency_seconds", "Arrival to the last token, finished requests.",
+                             E2E_BUCKETS)
+        self.queue_time = histogram(
+            "specd:request_queue_time_seconds", "Queued for the engine to the start of its first scheduled step.",
+            QUEUE_BUCKETS,
+        )
+
+    # ---- engine worker thread (EngineObserver) ----------------------------------------------------
 
     def observe_step(self, step: StepStats, outputs: list[RequestOutput]) -> None:
-        name = self.model_name
-        self.prompt_tokens.labels(name).inc(step.num_prompt_tokens)
-        self.generation_tokens.labels(name).inc(step.num_generated_tokens)
-        self.num_drafts.labels(name).inc(step.num_drafts)
-        self.draft_tokens.labels(name).inc(step.num_draft_tokens)
-        self.accepted_tokens.labels(name).inc(step.num_accepted_tokens)
-        self.running.labels(name).set(step.num_running)
-        self.waiting.labels(name).set(step.num_waiting)
-        self.kv_usage.labels(name).set(step.kv_usage)
-        for out in outputs:
-            if out.finished and out.finish_reason:
-                self.requests_finished.labels(name, out.finish_reason).inc()
+        self.window.add(step)
+        if step.num_draft_tokens:
+            self.num_drafts.inc(step.num_drafts)
+            self.draft_tokens.inc(step.num_draft_tokens)
+            self.accepted_tokens.inc(step.num_accepted_tokens)
+            per_pos = self._per_pos
+            for i, n in enumerate(step.accepted_per_position):
+                if i == len(per_pos):
+                    per_pos.append(self._per_pos_family.labels(self.model_name, str(i)))
+                per_pos[i].inc(n)  # zeros too: a position drafted but never accepted exports 0
+            self.accepted_length.observe_many(step.accepted_lengths)
+        self.running.set(step.num_running)
+        self.waiting.set(step.num_waiting)
+        self.kv_usage.set(step.kv_usage)
 
     def observe_aborts(self, num_aborted: int, num_running: int, num_waiting: int, kv_usage: float) -> None:
-        """Aborts happen between steps and produce no engine output, so they are reported apart."""
-        name = self.model_name
-        self.requests_finished.labels(name, "abort").inc(num_aborted)
-        self.running.labels(name).set(num_running)
-        self.waiting.labels(name).set(num_waiting)
-        self.kv_usage.labels(name).set(kv_usage)
+        """Aborts happen between steps; how each request ended is counted where it was delivered."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
+
+    def observe_scheduled(self, queue_seconds: list[float]) -> None:
+        for seconds in queue_seconds:
+            self.queue_time.observe(seconds)
+
+    # ---- event loop, per HTTP request ---------------------------------------------------------------
+
+    def count_prompt_tokens(self, n: int) -> None:
+        self.prompt_tokens.inc(n)
+
+    def observe_delta(self, num_tokens: int, first_token_seconds: float | None, gap_seconds: float | None) -> None:
+        """One delta of ``num_tokens`` delivered: the first (with TTFT) or a later one (with the gap
+        since the previous delta, spread evenly over its tokens)."""
+        self.generation_tokens.inc(num_tokens)
+        if first_token_seconds is not None:
+            self.ttft.observe(first_token_seconds)
+        elif gap_seconds is not None:
+            per_token = gap_seconds / num_tokens
+            for _ in range(num_tokens):
+                self.itl.observe(per_token)
+
+    def observe_success(self, finish_reason: str, e2e_seconds: float) -> None:
+        counter = self._success.get(finish_reason)
+        if counter is None:  # a reason the engine added later: count it rather than drop it
+            counter = self._success[finish_reason] = self._success_family.labels(self.model_name, finish_reason)
+        counter.inc()
+        self.e2e.observe(e2e_seconds)
+
+    def observe_failure(self, reason: str, count: int = 1) -> None:
+        self._failure[reason].inc(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -26,6 +26,7 @@ from server.async_engine import (
 from server.errors import APIError, bad_request, unavailable
 from server.logprobs import TokenText
 from server.protocol import SamplingFields, Usage
+from server.request_stats import RequestInfo, RequestTracking
 
 T = TypeVar("T")
 RETRY_AFTER_S = 1
@@ -44,6 +45,7 @@ class Serving:
     model_name: str
     text: TokenText
     chat_template: str | None
+    tracking: RequestTracking | None = None  # metrics and request logs; None in bare tests
 
     @property
     def max_model_len(self) -> int:
@@ -80,9 +82,12 @@ class Serving:
     def provisional_max(self, requested_max: int | None) -> int:
         return requested_max if requested_max is not None else self.max_model_len - 1
 
-    def submit(self, requests: list[EngineRequest]) -> RequestHandle:
+    def submit(self, requests: list[EngineRequest], info: RequestInfo | None = None) -> RequestHandle:
+        tracker = None
+        if self.tracking is not None and info is not None:
+            tracker = self.tracking.start(info, [r.request_id for r in requests])
         try:
-            return self.async_engine.submit(requests)
+            return self.async_engine.submit(requests, tracker)
         except QueueFullError as exc:
             raise APIError(
                 429, f"the server is busy: {exc}; retry later", type="rate_limit_error", code="queue_full",

@@ -184,4 +184,4 @@ def test_models_health_and_metrics(server):
     complete(server.client(), prompt=PROMPT, max_tokens=8, ignore_eos=True, **GREEDY)
     assert server.metric("specd:generation_tokens_total", model_name=MODEL) == before + 8
     assert server.metric("specd:spec_decode_num_draft_tokens_total", model_name=MODEL) > drafted
-    assert server.metric("specd:requests_finished_total", model_name=MODEL, finished_reason="length") >= 1
+    assert server.metric("specd:request_success_total", model_name=MODEL, finish_reason="length") >= 1

@@ -14,7 +14,7 @@ LONG = {"model": MODEL, "prompt": "def fib(n):", "max_tokens": 480, "temperature
 
 
 def aborted(live) -> float:
-    return live.metric("specd:requests_finished_total", model_name=MODEL, finished_reason="abort")
+    return live.metric("specd:request_failure_total", model_name=MODEL, reason="client_disconnect")
 
 
 def test_stream_disconnect_aborts_the_request_and_frees_its_blocks(server, monkeypatch):
