@@ -44,5 +44,6 @@ class CompletionOutput:
         self.logprobs.extend(out.new_logprobs)
         self.finish_reason = out.finish_reason
         self.stop_reason = out.stop_reason
-        self.num_draft_tokens = out.num_draft_tokens
-        self.num_accepted_tokens = out.num_accepted_tokens
+        # Cumulative counts; max() so that an output made up for an abort (zeros) cannot lower them.
+        self.num_draft_tokens = max(self.num_draft_tokens, out.num_draft_tokens)
+        self.num_accepted_tokens = max(self.num_accepted_tokens, out.num_accepted_tokens)

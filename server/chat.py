@@ -85,7 +85,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
     for i in range(req.n):
         engine_id = f"{rid}-{i}"
         requests.append(EngineRequest(engine_id, ids, choice_params(params, i)))
-        choices[engine_id] = Choice(i, ids)
+        choices[engine_id] = Choice(engine_id, ids, index=i)
     handle = ctx.submit(requests, RequestInfo(rid, arrival, len(ids), lambda: _messages_text(req)))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -94,7 +94,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
     out = []
     ordered = sorted(choices.values(), key=lambda c: c.index)
     for c in ordered:
-        extra = {"prompt_token_ids": c.prompt_ids, "token_ids": c.token_ids} if req.return_token_ids else {}
+        extra = {"prompt_token_ids": c.prompt_token_ids, "token_ids": c.token_ids} if req.return_token_ids else {}
         out.append(
             ChatChoice(
                 index=c.index,

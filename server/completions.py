@@ -56,7 +56,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: Serving) 
             index = p * n + i
             engine_id = f"{rid}-{index}"
             requests.append(EngineRequest(engine_id, ids, choice_params(params, i)))
-            choices[engine_id] = Choice(index, ids)
+            choices[engine_id] = Choice(engine_id, ids, index=index)
     echo = [p if isinstance(p, str) else _decode(ctx, i) for p, i in zip(prompts, prompt_ids)] if req.echo else None
     num_prompt_tokens = sum(len(i) for i in prompt_ids)
     handle = ctx.submit(requests, RequestInfo(rid, arrival, num_prompt_tokens, lambda: str(req.prompt)))
@@ -71,7 +71,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: Serving) 
         text, logprobs = c.text, None
         prompt_echo = echo[c.index // n] if echo else None
         if req.logprobs is not None:
-            logprobs = completion_logprobs(ctx.text, c.logprobs, TextOffsets(), c.prompt_ids if echo else None)
+            logprobs = completion_logprobs(ctx.text, c.logprobs, TextOffsets(), c.prompt_token_ids if echo else None)
         if prompt_echo is not None:
             text = prompt_echo + text
         out.append(_choice(req, c, text, logprobs, c.finish_reason))
@@ -87,7 +87,7 @@ def _decode(ctx: Serving, ids: list[int]) -> str:
 def _choice(req: CompletionRequest, c: Choice, text: str, logprobs: object, finish: str | None) -> CompletionChoice:
     extra = {}
     if req.return_token_ids:
-        extra = {"prompt_token_ids": c.prompt_ids, "token_ids": c.token_ids}
+        extra = {"prompt_token_ids": c.prompt_token_ids, "token_ids": c.token_ids}
     return CompletionChoice(
         index=c.index, text=text, logprobs=logprobs, finish_reason=finish,
         stop_reason=c.stop_reason if finish else None, **extra,
@@ -116,7 +116,7 @@ async def _stream(
                 c.started = True
                 if echo is not None:
                     text = echo[c.index // n] + text
-                    prompt_ids = c.prompt_ids
+                    prompt_ids = c.prompt_token_ids
             if not (text or out.finished or (req.logprobs is not None and out.new_logprobs)):
                 continue  # a token whose text is held back (part of a character or of a stop string)
             logprobs = None

@@ -8,13 +8,12 @@ import contextlib
 import dataclasses
 import uuid
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
 
-from engine import LLMEngine, RequestOutput, SamplingParams
-from engine.sequence import TokenLogprob
+from engine import CompletionOutput, LLMEngine, SamplingParams
 from server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -143,29 +142,11 @@ def choice_params(params: SamplingParams, i: int) -> SamplingParams:
 
 
 @dataclass
-class Choice:
-    """One choice's accumulated output."""
+class Choice(CompletionOutput):
+    """One choice's accumulated output, with its place in the response."""
 
-    index: int
-    prompt_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+    index: int = 0
     started: bool = False
-
-    def add(self, out: RequestOutput) -> None:
-        self.token_ids.extend(out.new_token_ids)
-        self.text += out.new_text
-        self.logprobs.extend(out.new_logprobs)
-        self.finish_reason = out.finish_reason
-        self.stop_reason = out.stop_reason
-        # Counts are cumulative; a synthetic abort output carries zeros, so never go down.
-        self.num_draft_tokens = max(self.num_draft_tokens, out.num_draft_tokens)
-        self.num_accepted_tokens = max(self.num_accepted_tokens, out.num_accepted_tokens)
 
 
 def usage(choices: Sequence[Choice], num_prompt_tokens: int) -> Usage:
