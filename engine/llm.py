@@ -71,12 +71,12 @@ class LLM:
         engine = self.engine
         results: dict[str, CompletionOutput] = {}
         order = []
-        for prompt, p in zip(prompts, plist):
-            engine.prepare(prompt, p)  # every prompt is checked before any is queued
-        for prompt, p in zip(prompts, plist):
+        # Every prompt is tokenized and checked before any is queued.
+        prepared = [engine.prepare(prompt, p) for prompt, p in zip(prompts, plist)]
+        for ids, p in zip(prepared, plist):
             rid = f"gen-{next(self._ids)}"
-            engine.add_request(rid, prompt, p)
-            results[rid] = CompletionOutput(rid, list(engine.seqs[rid].token_ids))
+            engine.add_request(rid, ids, p)
+            results[rid] = CompletionOutput(rid, ids)
             order.append(rid)
         pending = set(order)
         try:
