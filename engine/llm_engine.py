@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +26,14 @@ from engine.stats import SpecDecodeStats, StepStats
 from engine.stop import StopChecker
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftProbs:
+    """The drafter's q for one step: ``probs[rows[request_id]]`` is that sequence's [K_d, V]."""
+
+    probs: torch.Tensor  # [n, K_d, V]
+    rows: dict[str, int]
 
 
 class LLMEngine:
@@ -135,16 +144,17 @@ class LLMEngine:
             lens[seq.request_id] = min(k, 16)
         return lens
 
-    def _propose(self, scheduled: list[ScheduledSeq]) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
-        """Drafts (and the draft distributions, when the drafter has them) per request id."""
+    def _propose(self, scheduled: list[ScheduledSeq]) -> tuple[dict[str, list[int]], DraftProbs | None]:
+        """Drafts per request id, and the drafter's distributions (rows by request id) if it has them."""
         spec = [s for s in scheduled if s.num_draft_slots > 0]
         if not spec:
-            return {}, {}
+            return {}, None
         assert self.drafter is not None
         proposal = self.drafter.propose([DraftRequest(s.seq, s.num_draft_slots) for s in spec])
         drafts = {s.seq.request_id: proposal.tokens[i] for i, s in enumerate(spec)}
-        probs = {} if proposal.probs is None else {s.seq.request_id: proposal.probs[i] for i, s in enumerate(spec)}
-        return drafts, probs
+        if proposal.probs is None:
+            return drafts, None
+        return drafts, DraftProbs(proposal.probs, {s.seq.request_id: i for i, s in enumerate(spec)})
 
     def _forward(self, scheduled: list[ScheduledSeq], drafts: dict[str, list[int]]) -> tuple[torch.Tensor, list[int]]:
         """The step's one target pass: each sequence's uncomputed tokens plus its drafts. Sequences
@@ -167,14 +177,14 @@ class LLMEngine:
         return logits, rows
 
     def _observe_costs(self, num_fed: int, target_seconds: float) -> None:
-        if self.policy is None:
-            return
-        self.policy.target_cost.observe(num_fed, target_seconds)
-        drain = getattr(self.drafter, "forward_times", None)
-        if drain:
-            for n, secs in drain:
+        # Drained every step, policy or not: with a fixed k nobody else would empty it.
+        draft_times = getattr(self.drafter, "forward_times", None) or []
+        if self.policy is not None:
+            self.policy.target_cost.observe(num_fed, target_seconds)
+            for n, secs in draft_times:
                 self.policy.draft_cost.observe(n, secs)
-            drain.clear()
+        if draft_times:
+            draft_times.clear()
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -250,7 +260,7 @@ class LLMEngine:
         self,
         sampling: list[ScheduledSeq],
         drafts: dict[str, list[int]],
-        draft_probs: dict[str, torch.Tensor],
+        draft_probs: DraftProbs | None,
         logits: torch.Tensor,  # [R, V]
     ) -> list[tuple[int, list[int]]]:
         """Per sampling sequence: (accepted drafts, emitted tokens)."""
@@ -278,11 +288,11 @@ class LLMEngine:
         else:
             p = probs_from_logits(processed, [sp.params for sp in specs])[index]  # [B, K+1, V]
             q_probs = None
-            if draft_probs:
-                q_probs = torch.zeros(B, K, V, device=dev)  # [B, K, V]
-                for b, q in enumerate(seqs):
-                    if q.request_id in draft_probs and ks[b]:
-                        q_probs[b, : ks[b]] = draft_probs[q.request_id][: ks[b]]
+            if draft_probs is not None:
+                # A sequence without drafts may read any row: verify masks every position it has not drafted.
+                rows = [draft_probs.rows.get(q.request_id, 0) for q in seqs]
+                q_all = draft_probs.probs  # [n, K_d, V]
+                q_probs = (q_all if rows == list(range(q_all.shape[0])) else q_all[rows])[:, :K]  # [B, K, V]
             uniforms = torch.ones(B, K, device=dev)  # [B, K]
             noise = torch.ones(B, V, device=dev)  # [B, V]
             for b, q in enumerate(seqs):

@@ -228,3 +228,12 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(model_sets, tokenizer_dir):
         llm.generate([prompts_for(tokenizer_dir)[0], [1, 99999]], SamplingParams(max_tokens=4))
     assert not llm.engine.has_unfinished()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_draft_timings_do_not_pile_up_with_a_fixed_k(model_sets, tokenizer_dir):
+    """With a fixed k there is no adaptive policy to consume draft timings; a long-running server
+    must not keep one entry per draft forward forever."""
+    llm = llm_for(model_sets["llama"], k=4)
+    llm.generate(prompts_for(tokenizer_dir), SamplingParams(max_tokens=24, temperature=0.0))
+    assert llm.stats().num_draft_tokens > 0
+    assert llm.engine.drafter.forward_times == []
