@@ -25,7 +25,8 @@ def prompts_for(tokenizer_dir: Path) -> list[list[int]]:
 class Reference:
     """Greedy continuations of the target alone (transformers' generate), cached per prompt."""
 
-    def __init__(self, target_dir: Path) -> None:
+    def __init__(self, target_dir: Path, eos: int = EOS) -> None:
+        self.eos = eos
         self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
         self._cache: dict[tuple[int, ...], list[int]] = {}
 
@@ -35,7 +36,7 @@ class Reference:
         if key not in self._cache:
             ids = torch.tensor([prompt])
             out = self.model.generate(
-                ids, max_new_tokens=max_new, do_sample=False, eos_token_id=EOS, pad_token_id=EOS,
+                ids, max_new_tokens=max_new, do_sample=False, eos_token_id=self.eos, pad_token_id=self.eos,
                 attention_mask=torch.ones_like(ids),
             )
             self._cache[key] = out[0, len(prompt) :].tolist()

@@ -1,0 +1,1 @@
+"""specd's training recipe: the embedded default pair (tokenizer, target, distilled draft) and `specd distill`."""

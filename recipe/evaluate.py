@@ -1,0 +1,147 @@
+"""Measure the default pair on the held-out split: the figures the README quotes.
+
+    python -m recipe.evaluate [--pair models/default] [--prompts 16] [--max-tokens 128]
+
+Prints a table and writes EVAL.json beside the pair. Every figure comes from this run: bits per byte of
+target and draft over the whole held-out split, and, through specd's engine at batch 1 (one request at a
+time, greedy), the acceptance rate at k = 4, the mean tokens per verify step, and tokens/s with and without
+speculation, measured in interleaved rounds so machine noise hits every configuration alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine import LLM, SamplingParams
+from recipe import tokenizer as bpe
+from recipe.corpus import split, stdlib_files
+from recipe.data import eval_windows, token_stream
+from recipe.objectives import bits_per_byte
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def held_out_prompts(tokenizer: object, n: int, prompt_tokens: int = 96) -> list[list[int]]:
+    """n prompts of ~prompt_tokens tokens from the held-out files, each cut just after a newline so the
+    completion starts a fresh line; evenly spaced through the held-out token stream."""
+    _, held_out = split(stdlib_files())
+    stream = token_stream(held_out, tokenizer).tolist()
+    newline_ids = {i for tok, i in tokenizer.get_vocab().items() if tok.endswith("Ċ")}
+    eos = tokenizer.eos_token_id
+    prompts = []
+    stride = len(stream) // n
+    for j in range(n):
+        end = j * stride + prompt_tokens
+        while end < len(stream) and stream[end - 1] not in newline_ids:
+            end += 1
+        window = stream[end - prompt_tokens : end]
+        if eos in window:  # do not straddle two files
+            window = window[window.index(eos) + 1 :] or window
+        prompts.append(window)
+    return prompts
+
+
+def measure_bpb(target: Path, draft: Path) -> dict[str, float]:
+    tok = AutoTokenizer.from_pretrained(target)
+    _, held_out = split(stdlib_files())
+    windows = eval_windows(token_stream(held_out, tok), 512)
+    lengths = torch.tensor(bpe.token_byte_lengths(tok))
+    out = {}
+    for name, path in (("target", target), ("draft", draft)):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        out[name] = bits_per_byte(model, windows, lengths)
+    return out
+
+
+def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, int]:
+    """Sequential requests, greedy. Returns (outputs, seconds, generated tokens)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs, seconds, tokens = [], 0.0, 0
+    for p in prompts:
+        t0 = time.perf_counter()
+        (result,) = llm.generate([p], params)
+        seconds += time.perf_counter() - t0
+        outputs.append(list(result.token_ids))
+        tokens += len(result.token_ids)
+    return outputs, seconds, tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m recipe.evaluate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", type=Path, default=REPO_ROOT / "models" / "default")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--draft", type=Path, help="another draft to measure with the pair's target (default: PAIR/draft)")
+    ap.add_argument("--configs", help="comma-separated subset of the configurations (names as printed)")
+    ap.add_argument("--json", type=Path, help="where to write the figures (default: PAIR/EVAL.json)")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    target, draft = str(args.pair / "target"), str(args.draft or args.pair / "draft")
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = held_out_prompts(tok, args.prompts)
+    bpb = measure_bpb(Path(target), Path(draft))
+
+    common = {"dtype": "float32", "device": "cpu"}
+    makers: dict[str, Callable[[], LLM]] = {
+        "speculation off": lambda: LLM(target, speculative_method="none", **common),
+        "draft k=4": lambda: LLM(target, draft_model=draft, num_speculative_tokens=4, **common),
+        "draft adaptive": lambda: LLM(target, draft_model=draft, **common),
+        "ngram adaptive": lambda: LLM(target, speculative_method="ngram", **common),
+    }
+    wanted = {c.strip() for c in args.configs.split(",")} | {"speculation off"} if args.configs else set(makers)
+    configs = {name: make() for name, make in makers.items() if name in wanted}
+    for llm in configs.values():  # warm-up: first-call allocations and the adaptive policy's calibration
+        run_engine(llm, prompts[:2], 16)
+    base = {name: copy.deepcopy(llm.stats()) for name, llm in configs.items()}  # stats() is live
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    outputs: dict[str, list[list[int]]] = {}
+    for _ in range(args.rounds):
+        for name, llm in configs.items():
+            outs, secs, n = run_engine(llm, prompts, args.max_tokens)
+            rates[name].append(n / secs)
+            outputs[name] = outs
+    reference = outputs["speculation off"]
+    rows = {}
+    for name, llm in configs.items():
+        s, b = llm.stats(), base[name]
+        drafts = s.num_drafts - b.num_drafts
+        draft_tokens = s.num_draft_tokens - b.num_draft_tokens
+        accepted = s.num_accepted_tokens - b.num_accepted_tokens
+        tps = statistics.median(rates[name])
+        rows[name] = {
+            "tokens_per_s": round(tps, 1),
+            "speedup": round(tps / statistics.median(rates["speculation off"]), 3),
+            "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else None,
+            "mean_accepted_per_step": round(accepted / drafts, 3) if drafts else None,
+            "identical_to_target": sum(o == r for o, r in zip(outputs[name], reference)),
+        }
+    result = {
+        "draft": os.path.relpath(draft, REPO_ROOT), "held_out_bits_per_byte": {k: round(v, 4) for k, v in bpb.items()},
+        "prompts": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds,
+        "threads": torch.get_num_threads(), "engine": rows,
+    }
+    print(f"held-out bits/byte: target {bpb['target']:.3f}, draft {bpb['draft']:.3f}")
+    print(f"{'config':<18}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'acc/step':>10}{'same':>7}")
+    for name, r in rows.items():
+        acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
+        per = "-" if r["mean_accepted_per_step"] is None else f"{r['mean_accepted_per_step']:.2f}"
+        print(f"{name:<18}{r['tokens_per_s']:>8.1f}{r['speedup']:>8.2f}x{acc:>8}{per:>10}"
+              f"{r['identical_to_target']:>4}/{len(prompts)}")
+    (args.json or args.pair / "EVAL.json").write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
