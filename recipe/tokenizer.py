@@ -9,9 +9,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 EOS = "<|endoftext|>"
-# The pair writes code, not dialogue: a chat renders as the messages' plain text, one per line, and the
-# assistant continues it. A system or user message holding the start of a function gets the rest of it.
-CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{{ '\\n' }}{% endfor %}"
+# The pair writes code, not dialogue: a chat renders as the messages' text joined by newlines, and the assistant
+# continues the last message on its own line. No newline at the end: this BPE merges a newline with the next
+# line's indentation, so a prompt ending in a bare newline token tells the model the next line has none.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}{{ message['content'] }}{% endfor %}"
+)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, model_max_length: int) -> PreTrainedTokenizerFast:

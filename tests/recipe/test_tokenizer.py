@@ -35,4 +35,4 @@ def test_chat_template_renders_messages_as_text_for_the_model_to_continue(tmp_pa
     tok = AutoTokenizer.from_pretrained(tmp_path)
     messages = [{"role": "system", "content": "# utilities"}, {"role": "user", "content": "def add(a, b):"}]
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert rendered == "# utilities\ndef add(a, b):\n"
+    assert rendered == "# utilities\ndef add(a, b):"
