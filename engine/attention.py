@@ -11,7 +11,8 @@ long chunks (prefill) get one call each, so padding never multiplies a long prom
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,29 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] long: each new token's position in its sequence
     short: ShortGroup | None
     long: list[LongSeq]
+    # Copies for the other devices of a model split across devices, made on first use in this forward.
+    replicas: dict[torch.device, AttentionMetadata] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def on(self, device: torch.device) -> AttentionMetadata:
+        """This layout with its index tensors on ``device``, where a split model's layer (and that
+        layer's cache) runs. The unsplit case returns ``self``."""
+        if device == self.slot_mapping.device:
+            return self
+        replica = self.replicas.get(device)
+        if replica is None:
+            short = _moved(self.short, device) if self.short is not None else None
+            replica = replace(_moved(self, device), short=short, long=[_moved(s, device) for s in self.long])
+            self.replicas[device] = replica
+        return replica
+
+
+_Layout = TypeVar("_Layout", "AttentionMetadata", ShortGroup, LongSeq)
+
+
+def _moved(obj: _Layout, device: torch.device) -> _Layout:
+    """A copy of a layout dataclass with its tensor fields on ``device``."""
+    values = {f.name: getattr(obj, f.name) for f in fields(obj) if f.init}
+    return replace(obj, **{k: v.to(device) for k, v in values.items() if isinstance(v, torch.Tensor)})
 
 
 def build_metadata(
@@ -140,7 +164,7 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     if specd_attn is None:
         raise RuntimeError(f"the {ATTN_IMPL!r} attention needs specd_attn metadata: run the model through ModelRunner")
-    meta = specd_attn
+    meta = specd_attn.on(query.device)
     layer = module.layer_idx
     k_cache, v_cache = meta.cache.k[layer], meta.cache.v[layer]  # [slots, Hkv, D]
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]

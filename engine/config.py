@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
+
+# accelerate's placement strategies; anything else must be an explicit {module: device} mapping.
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+DeviceMap = str | dict[str, int | str]
 
 
 class SpeculativeMethod(enum.Enum):
@@ -23,7 +28,9 @@ class EngineConfig:
     ngram_max: int = 4  # n-gram lookup tries n = ngram_max .. ngram_min
     ngram_min: int = 1
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    device: str = "auto"  # auto | cpu | cuda | cuda:N: the draft, and the target unless device_map is given
+    # The target split across devices by accelerate: a strategy name, or a JSON object / dict of module -> device.
+    device_map: DeviceMap | None = None
     max_model_len: int | None = None  # None = the model's own limit
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -58,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.device_map is not None:
+            object.__setattr__(self, "device_map", parse_device_map(self.device_map))
 
     @property
     def speculates(self) -> bool:
@@ -69,3 +78,31 @@ class EngineConfig:
         if not self.speculates:
             return 0
         return self.num_speculative_tokens if self.num_speculative_tokens is not None else self.max_speculative_tokens
+
+
+def parse_device_map(value: DeviceMap) -> DeviceMap:
+    """A strategy name, or a mapping of module name -> device (a dict, or its JSON text) for
+    transformers' ``from_pretrained(device_map=...)``. Offloading is refused: every module of a split
+    model must run where its weights are, or its layer's KV cache would sit on the wrong device."""
+    if isinstance(value, str) and not value.lstrip().startswith("{"):
+        if value not in DEVICE_MAP_STRATEGIES:
+            valid = ", ".join(DEVICE_MAP_STRATEGIES)
+            raise ValueError(f"device_map must be one of {valid} or a JSON object of module -> device, got {value!r}")
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"device_map is not valid JSON: {exc}") from None
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f"device_map must be a non-empty mapping of module -> device, got {value!r}")
+    for module, device in value.items():
+        if not isinstance(module, str) or isinstance(device, bool) or not isinstance(device, (int, str)):
+            raise ValueError(f"device_map entry {module!r}: {device!r} must map a module name to a device")
+    devices = {str(d) for d in value.values()}
+    if "disk" in devices or ("cpu" in devices and len(devices) > 1):
+        raise ValueError(
+            "device_map places modules on 'cpu' or 'disk' next to other devices, which accelerate treats as "
+            "offloading (weights copied in at every forward); specd needs each module on the device it runs on"
+        )
+    return dict(value)

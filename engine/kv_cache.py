@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,8 @@ class PagedKVCache:
     """Per layer, K and V of shape ``[num_blocks * block_size, num_kv_heads, head_dim]``.
 
     Slot ``block * block_size + offset`` holds the token at that offset of that block, so a block
-    table plus a position gives a slot with arithmetic alone; nothing is ever moved.
+    table plus a position gives a slot with arithmetic alone; nothing is ever moved. ``device`` is one
+    device, or one per layer for a model split across devices (each layer's cache beside its attention).
     """
 
     def __init__(
@@ -26,13 +28,18 @@ class PagedKVCache:
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
-        device: torch.device,
+        device: torch.device | Sequence[torch.device],
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         slots = num_blocks * block_size
-        self.k = [torch.zeros(slots, s.num_kv_heads, s.head_dim, dtype=dtype, device=device) for s in layer_shapes]
-        self.v = [torch.zeros(slots, s.num_kv_heads, s.head_dim, dtype=dtype, device=device) for s in layer_shapes]
+        devices = [device] * len(layer_shapes) if isinstance(device, torch.device) else list(device)
+        if len(devices) != len(layer_shapes):
+            raise ValueError(f"{len(devices)} devices for {len(layer_shapes)} layers")
+        self.devices = devices
+        shaped = list(zip(layer_shapes, devices))
+        self.k = [torch.zeros(slots, s.num_kv_heads, s.head_dim, dtype=dtype, device=d) for s, d in shaped]
+        self.v = [torch.zeros(slots, s.num_kv_heads, s.head_dim, dtype=dtype, device=d) for s, d in shaped]
 
     @staticmethod
     def bytes_per_block(layer_shapes: list[LayerShape], block_size: int, dtype: torch.dtype) -> int:

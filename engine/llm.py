@@ -23,6 +23,7 @@ class LLM:
         num_speculative_tokens: int | None = None,
         dtype: str = "auto",
         device: str = "auto",
+        device_map: str | dict[str, int | str] | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
@@ -43,6 +44,7 @@ class LLM:
                 num_speculative_tokens=num_speculative_tokens,
                 dtype=dtype,
                 device=device,
+                device_map=device_map,
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -73,13 +75,14 @@ class LLM:
         order = []
         # Every prompt is tokenized and checked before any is queued.
         prepared = [engine.prepare(prompt, p) for prompt, p in zip(prompts, plist)]
-        for ids, p in zip(prepared, plist):
-            rid = f"gen-{next(self._ids)}"
-            engine.add_request(rid, ids, p)
-            results[rid] = CompletionOutput(rid, ids)
-            order.append(rid)
-        pending = set(order)
+        pending: set[str] = set()
         try:
+            for ids, p in zip(prepared, plist):
+                rid = f"gen-{next(self._ids)}"
+                engine.add_request(rid, ids, p)  # may refuse one that can never fit the KV cache
+                results[rid] = CompletionOutput(rid, ids)
+                order.append(rid)
+                pending.add(rid)
             while pending:
                 for out in engine.step():
                     if out.request_id in results:

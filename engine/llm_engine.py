@@ -36,6 +36,14 @@ class DraftProbs:
     rows: dict[str, int]
 
 
+def check_text(text: str) -> None:
+    """JSON can carry an unpaired surrogate ("\\ud800") that no tokenizer can encode (the fast ones raise TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text is not valid Unicode: an unpaired surrogate at character {exc.start}") from None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -68,6 +76,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: give the prompt as token ids")
+            check_text(prompt)
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
@@ -89,13 +98,25 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer, and this model has none")
         return ids
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV cache holds: no single sequence can ever grow past this."""
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams) -> None:
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.prepare(prompt, params)
+        need = len(ids) + params.max_tokens
+        if need > self.kv_capacity_tokens:
+            # It would wait (or be preempted) forever: refuse it now.
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) is {need} tokens, more than the "
+                f"whole KV cache holds ({self.kv_capacity_tokens} tokens)"
+            )
         seq = Sequence(request_id=request_id, token_ids=ids, params=params, arrival_time=time.monotonic())
-        self.seqs[request_id] = seq
         self.rng.add(request_id, params.seed)
+        self.seqs[request_id] = seq
         self.stop.add(seq)
         self.scheduler.add(seq)
 
@@ -202,9 +223,12 @@ class LLMEngine:
         self._observe_costs(sum(s.num_new_tokens for s in sched_list) + sum(map(len, drafts.values())), target_seconds)
 
         sampling = [s for s, r in zip(sched_list, rows) if r > 0]
+        outputs: list[RequestOutput] = []
+        if sampling:
+            sampling, logits, failed = self._drop_non_finite(sampling, drafts, logits)
+            outputs.extend(self._fail(seq, "the target's logits are not finite (NaN or inf)") for seq in failed)
         results = self._verify(sampling, drafts, draft_probs, logits) if sampling else []
 
-        outputs: list[RequestOutput] = []
         # Prefill work: anything fed below the prompt's end, or a preempted sequence's recomputation.
         num_prompt = sum(s.num_new_tokens for s in sched_list if s.seq.num_computed < s.seq.num_prompt_tokens)
         for s in sched_list:
@@ -229,7 +253,11 @@ class LLMEngine:
                 accepted_lengths.append(num_accepted + 1)
                 if self.policy is not None:
                     self.policy.observe(seq.request_id, k, num_accepted)
-            out = self._append(seq, emitted, seq_logits)
+            try:
+                out = self._append(seq, emitted, seq_logits)
+            except Exception:  # e.g. the detokenizer on this sequence's text: fail it, not the whole batch
+                logger.exception("request %s failed while appending its tokens", seq.request_id)
+                out = self._fail(seq)
             generated += len(out.new_token_ids)
             outputs.append(out)
 
@@ -255,6 +283,48 @@ class LLMEngine:
         )
         self.spec_stats.add(self.last_step)
         return outputs
+
+    def _drop_non_finite(
+        self, sampling: list[ScheduledSeq], drafts: dict[str, list[int]], logits: torch.Tensor
+    ) -> tuple[list[ScheduledSeq], torch.Tensor, list[Sequence]]:
+        """Sequences whose logits rows hold a NaN or +inf (or nothing finite) leave the step, with their
+        rows, so that one poisoned sequence cannot feed garbage to verification or stop the others."""
+        # amax propagates NaN and +inf, and is -inf only for a row with nothing finite: one reduction, one sync.
+        bad = ~torch.isfinite(logits.amax(dim=-1))  # [R]
+        if not bool(bad.any()):
+            return sampling, logits, []
+        bad_rows = bad.tolist()
+        keep, keep_rows, failed, row = [], [], [], 0
+        for s in sampling:
+            n = len(drafts.get(s.seq.request_id, [])) + 1
+            if any(bad_rows[row : row + n]):
+                failed.append(s.seq)
+            else:
+                keep.append(s)
+                keep_rows.extend(range(row, row + n))
+            row += n
+        return keep, logits[torch.tensor(keep_rows, dtype=torch.long, device=logits.device)], failed
+
+    def _fail(self, seq: Sequence, why: str | None = None) -> RequestOutput:
+        """Finish one sequence with finish_reason "error" (its blocks freed); the rest of the batch goes on."""
+        if why is not None:
+            logger.error("request %s failed: %s", seq.request_id, why)
+        self.scheduler.finish(seq, FinishReason.ERROR)
+        out = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[],
+            new_text="",
+            new_logprobs=[],
+            finished=True,
+            finish_reason=FinishReason.ERROR.value,
+            stop_reason=None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_tokens=seq.num_accepted_tokens,
+        )
+        self._forget(seq)
+        return out
 
     def _verify(
         self,

@@ -71,7 +71,7 @@ def check_same_tokenizer(target_tok: Any | None, draft_tok: Any | None, target: 
 
 def load(config: EngineConfig) -> Loaded:
     t0 = time.perf_counter()
-    target = ModelRunner(config.model, config.dtype, config.device, config.trust_remote_code)
+    target = ModelRunner(config.model, config.dtype, config.device, config.trust_remote_code, config.device_map)
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     draft = None
     if config.speculative_method is SpeculativeMethod.DRAFT_MODEL:
@@ -79,6 +79,12 @@ def load(config: EngineConfig) -> Loaded:
         draft_tok = load_tokenizer(config.draft_model, config.trust_remote_code)
         check_same_tokenizer(tokenizer, draft_tok, config.model, config.draft_model)
         draft = ModelRunner(config.draft_model, config.dtype, config.device, config.trust_remote_code)
+        if draft.device != target.device:
+            # The draft's distributions meet the target's logits in verification, on one device.
+            raise ValueError(
+                f"the draft model is on {draft.device} but the target's inputs and logits are on {target.device}; "
+                f"put the draft there (device {target.device})"
+            )
     limits = [r.max_position_embeddings for r in (target, draft) if r and r.max_position_embeddings]
     model_limit = min(limits) if limits else _DEFAULT_CONTEXT
     if config.max_model_len is not None and config.max_model_len > model_limit:
@@ -105,7 +111,7 @@ def load(config: EngineConfig) -> Loaded:
         "loaded %s%s on %s (%s) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; max_model_len %d",
         config.model,
         f" with draft {config.draft_model}" if draft else "",
-        target.device,
+        ", ".join(str(d) for d in dict.fromkeys(target.layer_devices)) if target.split else target.device,
         str(target.dtype).removeprefix("torch."),
         time.perf_counter() - t0,
         num_blocks,

@@ -9,6 +9,7 @@ import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from engine import attention
+from engine.config import DeviceMap
 from engine.kv_cache import LayerShape, PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -23,9 +24,11 @@ class UnsupportedModelError(ValueError):
 
 
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    resolved = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if resolved.type == "cuda" and resolved.index is None:
+        # Indexed, so it compares equal to the device a tensor or a split model reports.
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -33,6 +36,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         # bf16 is the native fast path on GPUs; on CPU float32 matmuls are the fast (and exact) ones.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def device_map_kind(device_map: DeviceMap) -> torch.device:
+    """The kind of device a device map places the model on, for the ``auto`` dtype: accelerate's
+    strategies fill the GPUs when there are any; an explicit map names its devices."""
+    if isinstance(device_map, str):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device("cpu" if {str(d) for d in device_map.values()} == {"cpu"} else "cuda")
 
 
 @dataclass(frozen=True)
@@ -48,15 +59,19 @@ class ForwardBatch:
 class ModelRunner:
     """One model, one KV cache. The target and the draft model each get their own runner."""
 
-    def __init__(self, path: str, dtype: str, device: str, trust_remote_code: bool = False) -> None:
+    def __init__(
+        self, path: str, dtype: str, device: str, trust_remote_code: bool = False, device_map: DeviceMap | None = None
+    ) -> None:
+        """``device_map`` splits the model across devices (accelerate places the modules and moves
+        activations between them); ``device`` is then unused."""
         attention.register()
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = resolve_dtype(dtype, resolve_device(device) if device_map is None else device_map_kind(device_map))
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         archs = ", ".join(getattr(config, "architectures", None) or [config.model_type])
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=self.dtype, trust_remote_code=trust_remote_code, attn_implementation="eager"
+                path, dtype=self.dtype, trust_remote_code=trust_remote_code, attn_implementation="eager",
+                device_map=device_map,
             )
         except ValueError as exc:
             raise UnsupportedModelError(f"cannot load {path} ({archs}) as a causal LM: {exc}") from exc
@@ -65,22 +80,53 @@ class ModelRunner:
                 f"architecture {archs} (model_type {config.model_type!r}) does not route attention through "
                 "transformers' AttentionInterface, so specd cannot run it on a paged KV cache"
             )
-        self.model = model.to(self.device).eval()
+        if device_map is None:
+            self.device = resolve_device(device)
+            model = model.to(self.device)
+        else:
+            placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+            if "disk" in placed or ("cpu" in placed and len(placed) > 1):
+                # accelerate offloads what does not fit on the GPUs; offloaded layers run elsewhere than their
+                # weights, copied in at every forward.
+                raise ValueError(
+                    f"device_map {device_map!r} offloaded part of {path} to CPU or disk (placed on "
+                    f"{', '.join(sorted(placed))}): the model does not fit on the GPUs; add GPUs or give a map"
+                )
+            # Inputs go where the embeddings are; accelerate's hooks carry activations on from there.
+            self.device = model.get_input_embeddings().weight.device
+        self.model = model.eval()
+        self.split = device_map is not None
+        head = self.model.get_output_embeddings()
+        if head is None:
+            raise UnsupportedModelError(f"architecture {archs} has no output embeddings (LM head)")
+        # The LM head runs on the rows that need logits only, selected just before it on its own device (a split
+        # model's last): transformers' logits_to_keep would index there with a tensor from the first device.
+        self._keep: torch.Tensor | None = None
+        head.register_forward_pre_hook(self._select_rows)
         text_config = self.model.config.get_text_config()
         self.vocab_size: int = text_config.vocab_size
         self.max_position_embeddings: int | None = getattr(text_config, "max_position_embeddings", None)
+        self.layer_devices: list[torch.device] = []
         self.layer_shapes = self._probe_layer_shapes()
         self.model.set_attn_implementation(attention.ATTN_IMPL)
         self.cache: PagedKVCache | None = None
         self.name = path
 
+    def _select_rows(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+        if self._keep is None:
+            return None
+        hidden = args[0]  # [1, T, hidden]
+        return (hidden[:, self._keep.to(hidden.device)], *args[1:])
+
     def _probe_layer_shapes(self) -> list[LayerShape]:
         """Learn each layer's K/V shape by running one token, whatever the config calls them."""
         shapes: dict[int, LayerShape] = {}
+        devices: dict[int, torch.device] = {}
         problems: set[str] = set()
 
         def record(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN003, ANN202
             shapes[module.layer_idx] = LayerShape(num_kv_heads=key.shape[1], head_dim=key.shape[3])
+            devices[module.layer_idx] = key.device  # where this layer's attention runs: its cache goes there
             if not getattr(module, "is_causal", True):
                 problems.add("bidirectional (non-causal) attention")
             for name in _UNSUPPORTED_ATTENTION_KWARGS:
@@ -98,23 +144,25 @@ class ModelRunner:
                                         "paged attention does not implement")
         if not shapes or sorted(shapes) != list(range(len(shapes))):
             raise UnsupportedModelError(f"architecture {archs}: not every layer is a standard attention layer")
+        self.layer_devices = [devices[i] for i in range(len(devices))]
         return [shapes[i] for i in range(len(shapes))]
 
     def bytes_per_block(self, block_size: int) -> int:
         return PagedKVCache.bytes_per_block(self.layer_shapes, block_size, self.dtype)
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
-        self.cache = PagedKVCache(self.layer_shapes, num_blocks, block_size, self.dtype, self.device)
+        self.cache = PagedKVCache(self.layer_shapes, num_blocks, block_size, self.dtype, self.layer_devices)
 
     def synchronize(self) -> None:
         """Wait for queued GPU work, so wall-clock timings mean something."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        for device in dict.fromkeys(self.layer_devices or [self.device]):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Returns float32 logits ``[sum(logits_rows), vocab]``: for each sequence in order, its last
-        ``logits_rows[i]`` positions. The LM head runs only on those rows."""
+        """Returns float32 logits ``[sum(logits_rows), vocab]`` on ``self.device``: for each sequence in
+        order, its last ``logits_rows[i]`` positions. The LM head runs only on those rows."""
         assert self.cache is not None, "allocate_cache() first"
         ends = [s + len(t) for s, t in zip(batch.starts, batch.token_ids)]
         meta = attention.build_metadata(self.cache, batch.block_tables, batch.starts, ends, self.device)
@@ -125,12 +173,10 @@ class ModelRunner:
         for toks, r in zip(batch.token_ids, batch.logits_rows):
             end += len(toks)
             keep.extend(range(end - r, end))
-        keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=keep_t,
-            specd_attn=meta,
-        )
-        return out.logits[0].float()  # [R, V]
+        self._keep = torch.tensor(keep, dtype=torch.long, device=self.device)
+        try:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, specd_attn=meta)
+        finally:
+            self._keep = None
+        # A split model's head is on its last device; sampling and the drafter work on the first.
+        return out.logits[0].to(self.device, torch.float32)  # [R, V]

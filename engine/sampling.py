@@ -56,7 +56,8 @@ def probs_from_logits(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     if not any(p.truncates for p in params):
         return probs
     V = probs.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=probs.device)  # [R]
+    # A top_k past the vocabulary keeps everything; capping it keeps huge values out of int64 overflow.
+    top_k = torch.tensor([min(p.top_k, V) if p.top_k > 0 else V for p in params], device=probs.device)  # [R]
     top_p = probs.new_tensor([p.top_p for p in params])  # [R]
     min_p = probs.new_tensor([p.min_p for p in params])  # [R]
     sorted_p, order = probs.sort(dim=-1, descending=True)  # [R, V]
@@ -68,6 +69,7 @@ def probs_from_logits(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     # Rows that asked for no top-p keep everything: float32 cumsums reach 1.0 before a large
     # vocabulary's tail, which would otherwise silently drop tokens the target can produce.
     keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    keep[:, 0] = True  # also when a tiny top_p rounds to 0 in float32: an empty distribution would be NaN
     # min-p keeps tokens with probability at least min_p times the most likely one.
     keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
     sorted_p = sorted_p * keep

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Below this a temperature is greedy: dividing float32 logits by it would overflow to inf and turn the
+# softmax into NaN, and the distribution it approaches is the argmax anyway (vLLM draws the same line).
+GREEDY_BELOW = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -38,6 +43,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
         _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
         _check(0.0 <= self.temperature <= 2.0, "temperature", f"must be in [0, 2], got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, "top_k", f"must be >= 0 (0 disables), got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
@@ -47,6 +54,9 @@ class SamplingParams:
         for token, bias in self.logit_bias.items():
             _check(token >= 0, "logit_bias", f"token id {token} is negative")
             _check(-100.0 <= bias <= 100.0, "logit_bias", f"bias {bias} for token {token} not in [-100, 100]")
+        if self.seed is not None:
+            lo, hi = SEED_RANGE
+            _check(lo <= self.seed <= hi, "seed", f"must be in [-2**63, 2**64 - 1], got {self.seed}")
         _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
         _check(
             self.min_tokens <= self.max_tokens,

@@ -18,6 +18,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"
+    ERROR = "error"  # this request alone failed (non-finite logits, a detokenizer error); the batch went on
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.middleware.cors import CORSMiddleware
 
 from engine import LLMEngine
 from server import errors
@@ -23,9 +24,10 @@ from server.config import ServerConfig
 from server.errors import APIError, from_exception, unavailable
 from server.logprobs import TokenText
 from server.metrics import CONTENT_TYPE, Metrics
+from server.middleware import BodySizeLimit
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.request_stats import RequestTracking
-from server.serving import ClientGoneError, Serving
+from server.serving import ClientGoneError, Limits, Serving
 from server.stats_log import StatsLog
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,12 @@ def create_app(
     tracking = RequestTracking(
         state.metrics, log_requests=config.log_requests or config.log_request_text, log_text=config.log_request_text
     )
+    limits = Limits(config.max_n, config.max_stop_sequences, config.request_timeout)
+    if config.trust_remote_code:
+        logger.warning(
+            "--trust-remote-code is on: Python code shipped with %s will run in this process; "
+            "use it only with models whose code you trust", config.target_path,
+        )
 
     def fail(exc: BaseException) -> None:
         state.failure = exc
@@ -97,7 +105,7 @@ def create_app(
             observers = [state.metrics] if state.stats_log is None else [state.metrics, state.stats_log]
             async_engine = AsyncEngine(engine, config.max_queue, observers=observers, on_fatal=fail)
             state.serving = Serving(
-                engine, async_engine, config.served_name, TokenText(engine.tokenizer), template, tracking
+                engine, async_engine, config.served_name, TokenText(engine.tokenizer), template, tracking, limits
             )
             async_engine.start()
             logger.info("ready: serving %s", config.served_name)
@@ -112,9 +120,16 @@ def create_app(
         if stats_task is not None:
             stats_task.cancel()
 
-    app = FastAPI(title="specd", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: they would be open routes beside the API key (and the UIs load from a CDN).
+    app = FastAPI(title="specd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.specd = state
     errors.install(app)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    if config.cors_origins:  # added last, so outermost: even a 413 or 401 carries the CORS headers
+        app.add_middleware(
+            CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+        )
 
     def serving() -> Serving:
         if state.failure is not None:

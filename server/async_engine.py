@@ -33,6 +33,14 @@ class NotAcceptingError(RuntimeError):
     """The engine is shutting down (or not started)."""
 
 
+class RequestTimeoutError(RuntimeError):
+    """The request ran past --request-timeout; it has been aborted."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone (finish_reason "error"); the engine log says why."""
+
+
 class EngineObserver(Protocol):
     """Told about every step, every batch of aborts, and the queue time of each request when its
     first step starts, in the worker thread (metrics and the stats log live here)."""
@@ -62,22 +70,45 @@ class EngineRequest:
 class RequestHandle:
     """The engine requests of one HTTP request (its n choices), sharing one queue of deltas."""
 
-    def __init__(self, owner: AsyncEngine, request_ids: list[str], observer: RequestObserver | None = None) -> None:
+    def __init__(
+        self,
+        owner: AsyncEngine,
+        request_ids: list[str],
+        observer: RequestObserver | None = None,
+        timeout: float | None = None,
+    ) -> None:
         self._owner = owner
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.pending = set(request_ids)
         self._observer = observer
         self._closed = False
         self._failure = "client_disconnect"  # why pending requests end if reading stops early
+        self._timer: asyncio.TimerHandle | None = None
+        if timeout is not None:
+            self._timer = asyncio.get_running_loop().call_later(timeout, self._expire, timeout)
+
+    def _expire(self, timeout: float) -> None:
+        if self._closed or not self.pending:
+            return
+        self._failure = "timeout"
+        # Abort now rather than when the reader next looks: a stalled reader must not keep the blocks.
+        for rid in self.pending:
+            self._owner.abort(rid)
+        self.queue.put_nowait(RequestTimeoutError(f"the request did not finish within {timeout:g} s"))
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """Deltas as they come, until every request finished; leaving early aborts the rest."""
+        """Deltas as they come, until every request finished; leaving early aborts the rest. Raises
+        RequestTimeoutError past the deadline, RequestFailedError when the engine failed a request."""
         try:
             while self.pending:
                 item = await self.queue.get()
                 if isinstance(item, BaseException):
-                    self._failure = "error"
+                    if not isinstance(item, RequestTimeoutError):
+                        self._failure = "error"
                     raise item
+                if item.finished and item.finish_reason == "error":
+                    self._failure = "error"
+                    raise RequestFailedError("the engine failed this request")
                 if self._observer is not None:
                     self._observer.on_output(item)
                 if item.finished:
@@ -92,6 +123,8 @@ class RequestHandle:
         if self._closed:
             return
         self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
         for rid in list(self.pending):
             self._owner.abort(rid)
         if self._observer is not None:
@@ -174,17 +207,20 @@ class AsyncEngine:
     def forget(self, request_id: str) -> None:
         self._handles.pop(request_id, None)
 
-    def submit(self, requests: list[EngineRequest], observer: RequestObserver | None = None) -> RequestHandle:
-        """Queue all of ``requests`` at once or none: raises QueueFullError, NotAcceptingError, EngineDeadError."""
+    def submit(
+        self, requests: list[EngineRequest], observer: RequestObserver | None = None, timeout: float | None = None
+    ) -> RequestHandle:
+        """Queue all of ``requests`` at once or none: raises QueueFullError, NotAcceptingError, EngineDeadError.
+        With ``timeout`` (seconds), whatever has not finished by then is aborted."""
         if self.error is not None:
             raise EngineDeadError("the engine loop has stopped after an error")
         if not self._accepting:
             raise NotAcceptingError("the server is shutting down")
-        handle = RequestHandle(self, [r.request_id for r in requests], observer)
         with self._cond:
             waiting = self._num_waiting + len(self._adds)
             if waiting + len(requests) > self.max_queue:
                 raise QueueFullError(f"{waiting} requests are waiting for a batch slot (max_queue {self.max_queue})")
+            handle = RequestHandle(self, [r.request_id for r in requests], observer, timeout)
             now = time.monotonic()
             for r in requests:
                 self._handles[r.request_id] = handle
@@ -242,7 +278,8 @@ class AsyncEngine:
                         queued_at = self._queued_at.pop(r.request_id, time.monotonic())
                         try:
                             engine.add_request(r.request_id, r.prompt_token_ids, r.params)
-                        except ValueError as exc:  # already validated by prepare(); fail the request, not the loop
+                        except Exception as exc:  # already validated by prepare(); fail the request, not the loop
+                            logger.error("request %s refused by the engine: %s", r.request_id, exc)
                             self._post(self._reject, r.request_id, exc)
                             continue
                         unscheduled[r.request_id] = queued_at

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.llm_engine import check_text
 from server import sse
 from server.async_engine import EngineRequest, RequestHandle
 from server.errors import bad_request, from_exception
@@ -34,6 +36,8 @@ from server.serving import (
     usage,
 )
 
+logger = logging.getLogger(__name__)
+
 
 def render(req: ChatCompletionRequest, ctx: Serving) -> list[int]:
     """The prompt's token ids. The template already writes any BOS it wants, so no special tokens are added."""
@@ -55,10 +59,16 @@ def render(req: ChatCompletionRequest, ctx: Serving) -> list[int]:
         messages.append(msg)
     try:
         text = tok.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # jinja2 errors (e.g. raise_exception in the template) describe the messages
-        if type(exc).__module__.startswith("jinja2"):
+    except Exception as exc:
+        if type(exc).__module__.startswith("jinja2"):  # e.g. raise_exception in the template: it describes the messages
             raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
-        raise
+        # Anything else the template tripped over (a TypeError on an odd field) is still about these messages.
+        logger.info("the chat template failed on a request's messages: %s", type(exc).__name__)
+        raise bad_request("the chat template could not render these messages", param="messages") from None
+    try:
+        check_text(text)
+    except ValueError as exc:
+        raise bad_request(f"messages: {exc}", param="messages", code="invalid_prompt") from None
     return tok.encode(text, add_special_tokens=False)
 
 
@@ -77,6 +87,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    ctx.check_request(req)
     prompt = render(req, ctx)
     params = sampling_params(req, ctx.provisional_max(max_tokens), logprobs, ctx.engine.vocab_size)
     ids, params = ctx.prepare(prompt, params, max_tokens, "messages")  # no max: OpenAI's default, the rest
@@ -131,7 +142,8 @@ async def _stream(
             c = choices[out.request_id]
             c.add(out)
             has_logprobs = req.logprobs and out.new_logprobs
-            if not (out.new_text or out.finished or has_logprobs):
+            ids_wanted = req.return_token_ids and out.new_token_ids
+            if not (out.new_text or out.finished or has_logprobs or ids_wanted):
                 continue  # a token whose text is held back (part of a character or of a stop string)
             yield chunk(
                 ChatChunkChoice(

@@ -13,7 +13,7 @@ from types import FrameType
 
 import uvicorn
 
-from server.config import API_KEY_ENV, METHODS, ConfigError, ServerConfig, load_config
+from server.config import API_KEY_ENV, CONFIG_ENV, ENV_PREFIX, METHODS, ConfigError, ServerConfig, load_config
 
 logger = logging.getLogger("server")
 
@@ -30,9 +30,16 @@ def _k(value: str) -> int | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description="OpenAI-compatible server with speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve a model over HTTP", argument_default=argparse.SUPPRESS)
+    s = sub.add_parser(
+        "serve", help="serve a model over HTTP", argument_default=argparse.SUPPRESS,
+        description=f"Every option is also read from {ENV_PREFIX}<OPTION> (e.g. {ENV_PREFIX}MAX_NUM_SEQS=8, "
+        f"{ENV_PREFIX}LOG_REQUESTS=true) and --config from {CONFIG_ENV}. Flags win over the config file, which wins "
+        "over the environment.",
+    )
     d = ServerConfig()  # the defaults, for the help text only: absent flags must not override the YAML
-    s.add_argument("--config", default=None, help="YAML file with the same options (dashes or underscores)")
+    s.add_argument(
+        "--config", default=None, help=f"YAML file with the same options, dashes or underscores (or set {CONFIG_ENV})"
+    )
     s.add_argument("--model", help="target model directory or hub id (default: the embedded pair in models/default)")
     s.add_argument("--draft-model", help="draft model sharing the target's tokenizer")
     s.add_argument("--speculative-method", choices=METHODS, help="default: draft_model with a draft, else none")
@@ -40,18 +47,39 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", help="the model id clients use (default: the model directory's name)")
     s.add_argument("--chat-template", help="Jinja file to use instead of the tokenizer's chat template")
     s.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help=f"default {d.dtype}")
-    s.add_argument("--device", help=f"auto, cpu, cuda or cuda:N (default {d.device})")
+    s.add_argument("--device", help=f"auto, cpu, cuda or cuda:N (default {d.device}); with --device-map, the draft's")
+    s.add_argument(
+        "--device-map",
+        help="split the target across GPUs with accelerate: auto, balanced, balanced_low_0, sequential, or a JSON "
+        'object of module -> device such as \'{"model.embed_tokens": 0, "model.layers.0": 0, ..., "lm_head": 1}\'',
+    )
     s.add_argument("--max-model-len", type=int, help="context length (default: the model's own)")
     s.add_argument("--max-num-seqs", type=int, help=f"largest running batch (default {d.max_num_seqs})")
     s.add_argument("--max-num-batched-tokens", type=int, help=f"tokens per step (default {d.max_num_batched_tokens})")
     s.add_argument("--kv-cache-memory-gb", type=float, help=f"KV cache budget (default {d.kv_cache_memory_gb})")
     s.add_argument("--max-queue", type=int, help=f"waiting requests before 429 (default {d.max_queue})")
+    s.add_argument("--max-n", type=int, help=f"most choices (n) per request (default {d.max_n})")
+    s.add_argument(
+        "--max-stop-sequences", type=int, help=f"most stop strings per request (default {d.max_stop_sequences})"
+    )
+    s.add_argument("--max-body-bytes", type=int, help=f"largest request body, else 413 (default {d.max_body_bytes})")
+    s.add_argument(
+        "--request-timeout", type=float,
+        help="seconds a request may take before it is aborted with a 504 (default: no deadline)",
+    )
     s.add_argument("--host", help=f"bind address (default {d.host}; 0.0.0.0 to listen on every interface)")
     s.add_argument("--port", type=int, help=f"default {d.port}")
     s.add_argument("--api-key", help=f"require Authorization: Bearer KEY on /v1 (or set {API_KEY_ENV})")
+    s.add_argument(
+        "--cors-allow-origins",
+        help="comma-separated origins (or '*') that browsers may call the API from (default: no CORS headers)",
+    )
     s.add_argument("--shutdown-timeout", type=float, help=f"seconds to drain on SIGTERM (default {d.shutdown_timeout})")
     s.add_argument("--seed", type=int, help=f"engine seed for unseeded sampling (default {d.seed})")
-    s.add_argument("--trust-remote-code", action="store_true")
+    s.add_argument(
+        "--trust-remote-code", action="store_true",
+        help="run Python code shipped with the model directory (off by default; a warning is logged when on)",
+    )
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help=f"default {d.log_level}")
     s.add_argument(
         "--log-stats-interval", type=float,
@@ -61,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--log-request-text", action="store_true", help="also log prompts and completions (implies --log-requests)"
     )
+    distill = sub.add_parser(
+        "distill", help="train a draft for a target by distillation (KL to the target on a text corpus)"
+    )
+    from recipe.distill_cli import add_arguments
+
+    add_arguments(distill)
     return parser
 
 
@@ -79,6 +113,11 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["distill"]:
+        from recipe.distill_cli import run
+
+        return run(build_parser().parse_args(args))
     try:
         config = parse_config(argv)
     except ConfigError as exc:

@@ -28,13 +28,11 @@ from server.serving import (
 
 def _prompts(prompt: str | list) -> list[str | list[int]]:
     """string | list[str] | list[int] | list[list[int]] -> a list of prompts."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise bad_request("prompt must not be empty", param="prompt")
-    if isinstance(prompt[0], int):
-        return [prompt]
-    return list(prompt)
+    prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+    # Checked here, whatever the tokenizer would make of it (one that adds BOS turns "" into a token).
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise bad_request("prompt must not be empty (nor hold an empty string or token list)", param="prompt")
+    return prompts
 
 
 async def create_completion(req: CompletionRequest, raw: Request, ctx: Serving) -> Response:
@@ -45,6 +43,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: Serving) 
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (it must equal n when given)", param="best_of")
     prompts = _prompts(req.prompt)
+    ctx.check_request(req, len(prompts))
     rid = new_id("cmpl")
     n = req.n
     requests, choices, prompt_ids = [], {}, []
@@ -117,7 +116,8 @@ async def _stream(
                 if echo is not None:
                     text = echo[c.index // n] + text
                     prompt_ids = c.prompt_token_ids
-            if not (text or out.finished or (req.logprobs is not None and out.new_logprobs)):
+            ids_wanted = req.return_token_ids and out.new_token_ids
+            if not (text or out.finished or (req.logprobs is not None and out.new_logprobs) or ids_wanted):
                 continue  # a token whose text is held back (part of a character or of a stop string)
             logprobs = None
             if req.logprobs is not None:

@@ -1,9 +1,12 @@
-"""Server configuration: one frozen dataclass, filled from defaults < YAML file < command-line flags."""
+"""Server configuration: one frozen dataclass, filled from defaults < SPECD_* environment variables < YAML
+file < command-line flags."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,10 +15,15 @@ if TYPE_CHECKING:
     from engine import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TARGET = REPO_ROOT / "models" / "default" / "target"
-DEFAULT_DRAFT = REPO_ROOT / "models" / "default" / "draft"
+# A non-editable install (the Docker image) has no repository around the package: the image says where the pair is.
+DEFAULT_PAIR_ENV = "SPECD_DEFAULT_PAIR_DIR"
+DEFAULT_PAIR = Path(os.environ.get(DEFAULT_PAIR_ENV) or REPO_ROOT / "models" / "default")
+DEFAULT_TARGET = DEFAULT_PAIR / "target"
+DEFAULT_DRAFT = DEFAULT_PAIR / "draft"
 DEFAULT_SERVED_NAME = "specd-default"
+ENV_PREFIX = "SPECD_"  # SPECD_<OPTION IN CAPITALS> sets any option below
 API_KEY_ENV = "SPECD_API_KEY"
+CONFIG_ENV = "SPECD_CONFIG"  # the YAML file, when --config is not given
 METHODS = ("draft_model", "ngram", "none")
 
 
@@ -32,15 +40,23 @@ class ServerConfig:
     served_model_name: str | None = None  # None: the model directory's name
     chat_template: str | None = None  # a Jinja file used instead of the tokenizer's own template
     dtype: str = "auto"
-    device: str = "auto"
+    device: str = "auto"  # with device_map: the draft's device
+    # The target split across GPUs by accelerate: auto, balanced, balanced_low_0, sequential, or a JSON object of
+    # module name -> device. Checked by EngineConfig (importing the engine here would load torch).
+    device_map: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_memory_gb: float = 1.0
     max_queue: int = 512  # requests waiting for a batch slot before new ones get 429
+    max_n: int = 128  # choices one request may ask for (OpenAI's limit)
+    max_stop_sequences: int = 4  # stop strings one request may give (OpenAI's limit)
+    max_body_bytes: int = 8 * 2**20  # larger request bodies get 413
+    request_timeout: float | None = None  # seconds before an unfinished request is aborted (504); None: no deadline
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    cors_allow_origins: str | None = None  # comma-separated origins (or "*") browsers may call from; None: no CORS
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     seed: int = 0
     trust_remote_code: bool = False
@@ -59,12 +75,21 @@ class ServerConfig:
             raise ConfigError("speculative_method draft_model needs --draft-model")
         if self.max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
+        for name in ("max_n", "max_stop_sequences", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ConfigError(f"request_timeout must be > 0 seconds (unset for none), got {self.request_timeout}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.log_stats_interval < 0:
             raise ConfigError(f"log_stats_interval must be >= 0 (0 turns it off), got {self.log_stats_interval}")
+
+    @property
+    def cors_origins(self) -> list[str]:
+        return [o.strip() for o in (self.cors_allow_origins or "").split(",") if o.strip()]
 
     @property
     def uses_default_pair(self) -> bool:
@@ -125,6 +150,7 @@ class ServerConfig:
             num_speculative_tokens=self.num_speculative_tokens,
             dtype=self.dtype,
             device=self.device,
+            device_map=self.device_map,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -148,19 +174,50 @@ def _check_type(name: str, value: Any, annotation: str) -> None:
         raise ConfigError(f"{name} must be {base}, got {value!r}")
 
 
-def load_config(yaml_path: str | None = None, overrides: dict[str, Any] | None = None) -> ServerConfig:
-    """Defaults, then the YAML file (keys with dashes or underscores), then ``overrides`` (the flags
-    actually given on the command line), then SPECD_API_KEY if no key was set either way."""
-    values: dict[str, Any] = {}
+def load_config(
+    yaml_path: str | None = None, overrides: dict[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> ServerConfig:
+    """Defaults, then SPECD_* environment variables, then the YAML file (``yaml_path``, else $SPECD_CONFIG;
+    keys with dashes or underscores), then ``overrides`` (the flags actually given on the command line)."""
+    env = os.environ if environ is None else environ
+    values = read_env(env)
+    yaml_path = yaml_path or env.get(CONFIG_ENV) or None
     if yaml_path is not None:
         values.update(read_yaml(yaml_path))
     values.update(overrides or {})
-    if values.get("api_key") is None and os.environ.get(API_KEY_ENV):
-        values["api_key"] = os.environ[API_KEY_ENV]
     try:
         return ServerConfig(**values)
     except TypeError as exc:  # a bad key would have been caught in read_yaml; keep the message anyway
         raise ConfigError(str(exc)) from None
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """SPECD_<OPTION> for each option (SPECD_MAX_NUM_SEQS=8, SPECD_LOG_REQUESTS=true, SPECD_MODEL=/models/m),
+    converted to the option's type; an empty variable counts as unset."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(ServerConfig):
+        var = ENV_PREFIX + f.name.upper()
+        raw = environ.get(var, "").strip()
+        if not raw:
+            continue
+        base = str(f.type).replace(" | None", "")
+        if f.name == "num_speculative_tokens" and raw in ("adaptive", "auto"):
+            out[f.name] = None
+        elif base == "bool":
+            if raw.lower() not in _TRUE + _FALSE:
+                raise ConfigError(f"{var} must be one of {', '.join(_TRUE + _FALSE)}, got {raw!r}")
+            out[f.name] = raw.lower() in _TRUE
+        elif base in ("int", "float"):
+            try:
+                out[f.name] = int(raw) if base == "int" else float(raw)
+            except ValueError:
+                raise ConfigError(f"{var} must be {base}, got {raw!r}") from None
+        else:
+            out[f.name] = raw
+    return out
 
 
 def read_yaml(path: str) -> dict[str, Any]:
@@ -182,5 +239,9 @@ def read_yaml(path: str) -> dict[str, Any]:
             raise ConfigError(f"config file {path}: unknown option {key!r} (known: {', '.join(sorted(known))})")
         if name == "num_speculative_tokens" and value in ("adaptive", "auto"):
             value = None
+        if name == "device_map" and isinstance(value, dict):
+            value = json.dumps(value)  # a YAML mapping, the same as the flag's JSON text
+        if name == "cors_allow_origins" and isinstance(value, list):
+            value = ",".join(str(v) for v in value)  # a YAML list, the same as the flag's comma-separated text
         out[name] = value
     return out

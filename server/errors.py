@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import SamplingParamError
-from server.async_engine import EngineDeadError
+from server.async_engine import EngineDeadError, RequestFailedError, RequestTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,10 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        # ASCII-escaped: a message that quotes the request (a lone surrogate in it) must not fail to encode.
+        return Response(json.dumps(self.body()), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -54,6 +57,18 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, type="server_error", code="service_unavailable")
 
 
+def timed_out(message: str) -> APIError:
+    """--request-timeout expired: the server gave up on the request (504, as a gateway that timed out would)."""
+    return APIError(504, f"{message} (--request-timeout); it was aborted", type="server_error", code="request_timeout")
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"the request body is larger than this server's limit of {limit} bytes (--max-body-bytes)",
+        code="request_too_large",
+    )
+
+
 def from_exception(exc: BaseException) -> APIError:
     """Map any exception to the error a client should see; unexpected ones are logged, never echoed."""
     if isinstance(exc, APIError):
@@ -62,6 +77,10 @@ def from_exception(exc: BaseException) -> APIError:
         return bad_request(str(exc), param=exc.param)
     if isinstance(exc, EngineDeadError):
         return APIError(500, str(exc), type="server_error", code="engine_dead")
+    if isinstance(exc, RequestTimeoutError):
+        return timed_out(str(exc))
+    if isinstance(exc, RequestFailedError):  # the engine has logged why
+        return internal_error()
     logger.error("internal error", exc_info=exc)
     return internal_error()
 
@@ -86,12 +105,16 @@ def _validation_param(errors: list[dict]) -> str | None:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(_: Request, exc: APIError) -> Response:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
         errors = list(exc.errors())
+        if errors and errors[0].get("type") == "json_invalid":
+            reason = (errors[0].get("ctx") or {}).get("error", "")
+            message = f"the request body is not valid JSON: {reason}".rstrip(": ")
+            return bad_request(message, code="invalid_json").response()
         param = _validation_param(errors)
         msg = errors[0].get("msg", "invalid request") if errors else "invalid request"
         message = f"{param}: {msg}" if param else msg
@@ -100,14 +123,14 @@ def install(app: FastAPI) -> None:
         return bad_request(message, param=param, code="invalid_value").response()
 
     @app.exception_handler(SamplingParamError)
-    async def _sampling(_: Request, exc: SamplingParamError) -> JSONResponse:
+    async def _sampling(_: Request, exc: SamplingParamError) -> Response:
         return bad_request(str(exc), param=exc.param).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(_: Request, exc: Exception) -> Response:
         return from_exception(exc).response()  # logs it; the body never carries the details
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()

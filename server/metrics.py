@@ -26,8 +26,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 WINDOW_SECONDS = 30.0  # the rate gauges cover the steps that ended in the last 30 s
 SUCCESS_REASONS = ("stop", "length")
 # client_disconnect: the client went away (or the handler stopped reading) before the request finished;
-# abort: the server aborted it (SIGTERM drain deadline passed); error: the engine failed or refused it.
-FAILURE_REASONS = ("client_disconnect", "abort", "error")
+# abort: the server aborted it (SIGTERM drain deadline passed); error: the engine failed or refused it;
+# timeout: it ran past --request-timeout.
+FAILURE_REASONS = ("client_disconnect", "abort", "error", "timeout")
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)

@@ -21,35 +21,36 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by both endpoints. Ranges are checked by SamplingParams (its errors name the field)."""
+    """Fields shared by both endpoints. The ranges here are OpenAI's, so the OpenAPI schema documents them;
+    SamplingParams checks them again for the engine, and Serving.check_request checks the server's own limits."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1)  # at most --max-n (Serving.check_request)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Extensions (vLLM names where vLLM has them).
-    top_k: int | None = None
-    min_p: float | None = None
+    top_k: int | None = Field(None, ge=0)  # 0: no top-k
+    min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
-    num_speculative_tokens: int | None = None  # 0 turns speculation off for this request
+    num_speculative_tokens: int | None = Field(None, ge=0, le=16)  # 0 turns speculation off for this request
     return_token_ids: bool = False  # add prompt_token_ids and token_ids to each choice
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None
@@ -72,8 +73,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict | None = None

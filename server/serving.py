@@ -29,6 +29,19 @@ from server.request_stats import RequestInfo, RequestTracking
 
 T = TypeVar("T")
 RETRY_AFTER_S = 1
+# Limits of our own, past the configurable ones: each bounds the per-token or per-step work one request can ask for.
+MAX_STOP_CHARS = 256  # per stop string: held-back text is rescanned for it after every token
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300  # entries, applied in Python to every row of every step
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request limits from the server's options (--max-n, --max-stop-sequences, --request-timeout)."""
+
+    max_n: int = 128
+    max_stop_sequences: int = 4
+    request_timeout: float | None = None  # seconds; None: no deadline
 
 
 class ClientGoneError(Exception):
@@ -45,6 +58,7 @@ class Serving:
     text: TokenText
     chat_template: str | None
     tracking: RequestTracking | None = None  # metrics and request logs; None in bare tests
+    limits: Limits = Limits()
 
     @property
     def max_model_len(self) -> int:
@@ -57,18 +71,47 @@ class Serving:
                 type="not_found_error", param="model", code="model_not_found",
             )
 
+    def check_request(self, req: SamplingFields, num_prompts: int = 1) -> None:
+        """The limits a field's own type cannot express: the server's options and our own bounds."""
+        limits = self.limits
+        if req.n > limits.max_n:
+            raise bad_request(f"n must be at most {limits.max_n} on this server (--max-n), got {req.n}", param="n")
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        if len(stops) > limits.max_stop_sequences:
+            raise bad_request(
+                f"at most {limits.max_stop_sequences} stop sequences are allowed (--max-stop-sequences), "
+                f"got {len(stops)}", param="stop",
+            )
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise bad_request(f"each stop sequence must be at most {MAX_STOP_CHARS} characters", param="stop")
+        if len(req.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+            raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", param="stop_token_ids")
+        if len(req.logit_bias or {}) > MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
+        choices = num_prompts * req.n
+        if choices > self.async_engine.max_queue:
+            # It could never be queued: a 429 would invite retries that cannot succeed.
+            raise bad_request(
+                f"this request needs {choices} engine requests (prompts x n), more than the server queues at once "
+                f"({self.async_engine.max_queue}, --max-queue)", param="n" if num_prompts == 1 else "prompt",
+            )
+
     def prepare(
         self, prompt: str | Sequence[int], params: SamplingParams, requested_max: int | None, param: str
     ) -> tuple[list[int], SamplingParams]:
         """Tokenize and validate. ``params`` were built with a provisional max_tokens: with
-        ``requested_max`` None the completion gets whatever the context leaves, else prompt plus
-        max_tokens must fit in the context."""
+        ``requested_max`` None the completion gets whatever the context (and the KV cache) leaves, else
+        prompt plus max_tokens must fit in both."""
         try:
             ids = self.engine.prepare(prompt, params)
         except ValueError as exc:
             raise bad_request(str(exc), param=param, code="invalid_prompt") from None
+        capacity = self.engine.kv_capacity_tokens
         if requested_max is None:
-            return ids, dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
+            room = min(self.max_model_len, capacity) - len(ids)
+            if room < 1:
+                raise _beyond_kv_cache(len(ids), None, capacity, param)
+            return ids, dataclasses.replace(params, max_tokens=room)
         need = len(ids) + params.max_tokens
         if need > self.max_model_len:
             raise bad_request(
@@ -76,6 +119,8 @@ class Serving:
                 f"({len(ids)} in the prompt, {params.max_tokens} for the completion); reduce the prompt or max_tokens",
                 param="max_tokens", code="context_length_exceeded",
             )
+        if need > capacity:
+            raise _beyond_kv_cache(len(ids), params.max_tokens, capacity, "max_tokens")
         return ids, params
 
     def provisional_max(self, requested_max: int | None) -> int:
@@ -86,7 +131,7 @@ class Serving:
         if self.tracking is not None and info is not None:
             tracker = self.tracking.start(info, [r.request_id for r in requests])
         try:
-            return self.async_engine.submit(requests, tracker)
+            return self.async_engine.submit(requests, tracker, self.limits.request_timeout)
         except QueueFullError as exc:
             raise APIError(
                 429, f"the server is busy: {exc}; retry later", type="rate_limit_error", code="queue_full",
@@ -94,6 +139,18 @@ class Serving:
             ) from None
         except (NotAcceptingError, EngineDeadError) as exc:
             raise unavailable(str(exc)) from None
+
+
+def _beyond_kv_cache(num_prompt: int, max_tokens: int | None, capacity: int, param: str) -> APIError:
+    """A request that could never be scheduled, refused rather than left waiting forever."""
+    if max_tokens is None:
+        asked = f"the prompt has {num_prompt} tokens and needs room for at least one more"
+    else:
+        asked = f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) is {num_prompt + max_tokens} tokens"
+    return bad_request(
+        f"{asked}, but the whole KV cache holds {capacity} tokens, so this request could never be scheduled; "
+        "reduce the prompt or max_tokens", param=param, code="kv_cache_exceeded",
+    )
 
 
 def new_id(prefix: str) -> str:

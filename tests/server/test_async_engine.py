@@ -89,7 +89,10 @@ def test_queue_limit_counts_requests_not_yet_running(engine, monkeypatch):
         ae = AsyncEngine(engine, max_queue=2)
         ae.start()
         running = ae.submit([request("a", 300), request("b", 300)])  # max_num_seqs=2: both run
-        await asyncio.sleep(0.1)
+        # Their first output comes after the step that scheduled both, once the worker has refreshed its
+        # waiting count (polling engine.num_running would race with that refresh).
+        await asyncio.wait_for(running.outputs().__anext__(), 30)
+        assert engine.num_running == 2
         waiting = ae.submit([request("c", 5), request("d", 5)])
         with pytest.raises(QueueFullError):
             ae.submit([request("e", 5)])

@@ -146,7 +146,7 @@ def test_every_series_is_exported_with_the_model_name(server):
     s = Scrape.of(server)
     assert set(EXPORTED) <= {x.name for x in s.samples}
     assert all(x.labels.get("model_name") == MODEL for x in s.samples if x.name.startswith("specd:"))
-    assert set(s.by("specd:request_failure_total", "reason")) == {"client_disconnect", "abort", "error"}
+    assert set(s.by("specd:request_failure_total", "reason")) == {"client_disconnect", "abort", "error", "timeout"}
 
 
 def test_running_and_kv_gauges_return_to_zero_after_requests_and_after_a_disconnect(server, monkeypatch):
@@ -273,7 +273,7 @@ def test_a_request_cut_off_by_the_drain_deadline_counts_as_abort(model_sets, mon
     async def drain(ae):
         await ae.shutdown(timeout=0.05)
 
-    assert _failures_after(engine, drain) == {"client_disconnect": 0, "abort": 1, "error": 0}
+    assert _failures_after(engine, drain) == {"client_disconnect": 0, "abort": 1, "error": 0, "timeout": 0}
 
 
 def test_a_request_in_a_crashed_engine_counts_as_error(model_sets, monkeypatch):
@@ -287,7 +287,7 @@ def test_a_request_in_a_crashed_engine_counts_as_error(model_sets, monkeypatch):
         monkeypatch.setattr(engine, "step", crashing_step)
         await asyncio.sleep(0.1)  # the worker's next step raises; the reader gets EngineDeadError
 
-    assert _failures_after(engine, crash_it) == {"client_disconnect": 0, "abort": 0, "error": 1}
+    assert _failures_after(engine, crash_it) == {"client_disconnect": 0, "abort": 0, "error": 1, "timeout": 0}
 
 
 # ---- the Metrics object alone -------------------------------------------------------------------------
