@@ -12,6 +12,8 @@ DeviceMap = str | dict[str, int | str]
 
 
 class SpeculativeMethod(enum.Enum):
+    # The draft model, and prompt lookup wherever the context predicts better per second (engine.spec.hybrid).
+    HYBRID = "hybrid"
     DRAFT_MODEL = "draft_model"
     NGRAM = "ngram"
     NONE = "none"
@@ -49,8 +51,8 @@ class EngineConfig:
                 raise ValueError(
                     f"speculative_method must be one of {valid}, got {self.speculative_method!r}"
                 ) from None
-        if self.speculative_method is SpeculativeMethod.DRAFT_MODEL and not self.draft_model:
-            raise ValueError("speculative_method='draft_model' needs draft_model")
+        if self.uses_draft_model and not self.draft_model:
+            raise ValueError(f"speculative_method={self.speculative_method.value!r} needs draft_model")
         if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.max_speculative_tokens <= 16:
@@ -67,6 +69,14 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.device_map is not None:
             object.__setattr__(self, "device_map", parse_device_map(self.device_map))
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.speculative_method in (SpeculativeMethod.DRAFT_MODEL, SpeculativeMethod.HYBRID)
+
+    @property
+    def uses_lookup(self) -> bool:
+        return self.speculative_method in (SpeculativeMethod.NGRAM, SpeculativeMethod.HYBRID)
 
     @property
     def speculates(self) -> bool:

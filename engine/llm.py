@@ -35,7 +35,7 @@ class LLM:
         trust_remote_code: bool = False,
     ) -> None:
         if speculative_method is None:
-            speculative_method = SpeculativeMethod.DRAFT_MODEL if draft_model else SpeculativeMethod.NONE
+            speculative_method = SpeculativeMethod.HYBRID if draft_model else SpeculativeMethod.NONE
         self.engine = LLMEngine(
             EngineConfig(
                 model=model,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeMethod
 from engine.loader import calibrate, load, make_drafter
 from engine.model_runner import ForwardBatch
 from engine.outputs import RequestOutput
@@ -21,11 +21,15 @@ from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, TokenLogprob
 from engine.spec.adaptive import AdaptivePolicy
 from engine.spec.drafter import DraftRequest
+from engine.spec.hybrid import HybridDrafter
 from engine.spec.verify import verify, verify_greedy
 from engine.stats import SpecDecodeStats, StepStats
 from engine.stop import StopChecker
 
 logger = logging.getLogger(__name__)
+
+# Where a sequence's drafts come from in a step: the draft model, or prompt lookup (n-gram).
+MODEL, LOOKUP = "model", "lookup"
 
 
 @dataclass(frozen=True)
@@ -61,10 +65,16 @@ class LLMEngine:
             self.block_manager,
         )
         self.drafter = make_drafter(config, loaded, self.rng)
-        self.policy: AdaptivePolicy | None = None
+        # One adaptive policy per draft source: their costs and acceptance differ (a lookup is nearly free).
+        self.policies: dict[str, AdaptivePolicy] = {}
         if self.drafter is not None and config.num_speculative_tokens is None:
-            self.policy = AdaptivePolicy(config.k_max)
-            calibrate(self.policy, loaded, config.k_max, config.block_size)
+            sources = [MODEL] if config.uses_draft_model else []
+            sources += [LOOKUP] if config.uses_lookup else []
+            for source in sources:
+                policy = AdaptivePolicy(config.k_max)
+                calibrate(policy, loaded, loaded.draft if source == MODEL else None, config.k_max, config.block_size)
+                self.policies[source] = policy
+        self._routes: dict[str, str] = {}  # request id -> the source it drafts from in this step
         self.stop = StopChecker(self.eos_ids, self.max_model_len, self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self.spec_stats = SpecDecodeStats()
@@ -144,26 +154,49 @@ class LLMEngine:
         self.seqs.pop(seq.request_id, None)
         self.rng.remove(seq.request_id)
         self.stop.remove(seq.request_id)
-        if self.policy is not None:
-            self.policy.forget(seq.request_id)
+        for policy in self.policies.values():
+            policy.forget(seq.request_id)
 
     # ---- the step -------------------------------------------------------------------------------
 
+    @property
+    def policy(self) -> AdaptivePolicy | None:
+        """The draft model's adaptive policy (the lookup's without a draft model), None at a fixed k."""
+        return self.policies.get(MODEL) or self.policies.get(LOOKUP)
+
     def _draft_lens(self) -> dict[str, int]:
+        self._routes.clear()
         if self.drafter is None:
             return {}
         decoding = [s for s in self.scheduler.running if s.is_decoding]
         lens = {}
         for seq in decoding:
-            k = seq.params.num_speculative_tokens
-            if k is None:
-                k = self.config.num_speculative_tokens
-            if k is None:
-                assert self.policy is not None
-                seeded = seq.params.seed is not None and not seq.params.greedy
-                k = self.policy.choose(seq.request_id, len(decoding), batch_independent=seeded)
+            source, k = self._plan(seq, len(decoding))
+            self._routes[seq.request_id] = source
             lens[seq.request_id] = min(k, 16)
         return lens
+
+    def _plan(self, seq: Sequence, batch: int) -> tuple[str, int]:
+        """(source, k) for one decoding sequence. A fixed k (the request's or the engine's) is used as
+        is; otherwise each source's policy proposes its best k and the source promising more tokens per
+        unit of step cost wins, the lookup only where the context matched."""
+        k = seq.params.num_speculative_tokens
+        if k is None:
+            k = self.config.num_speculative_tokens
+        seeded = seq.params.seed is not None and not seq.params.greedy
+        rid = seq.request_id
+        if not isinstance(self.drafter, HybridDrafter):
+            source = LOOKUP if self.config.speculative_method is SpeculativeMethod.NGRAM else MODEL
+            return source, k if k is not None else self.policies[source].choose(rid, batch, batch_independent=seeded)
+        match = self.drafter.match(seq, self.config.k_max if k is None else k) if k != 0 else []
+        if k is not None:
+            return (LOOKUP, min(k, len(match))) if match else (MODEL, k)
+        model, lookup = self.policies[MODEL], self.policies[LOOKUP]
+        # A seeded sampled request's route, like its k, must not depend on what shares its batch: both
+        # rates then use the frozen batch-1 costs and the request's own acceptance history.
+        if match and lookup.rate(rid, batch, seeded, len(match)) >= model.rate(rid, batch, seeded):
+            return LOOKUP, lookup.choose(rid, batch, seeded, len(match))
+        return MODEL, model.choose(rid, batch, batch_independent=seeded)
 
     def _propose(self, scheduled: list[ScheduledSeq]) -> tuple[dict[str, list[int]], DraftProbs | None]:
         """Drafts per request id, and the drafter's distributions (rows by request id) if it has them."""
@@ -171,7 +204,9 @@ class LLMEngine:
         if not spec:
             return {}, None
         assert self.drafter is not None
-        proposal = self.drafter.propose([DraftRequest(s.seq, s.num_draft_slots) for s in spec])
+        proposal = self.drafter.propose(
+            [DraftRequest(s.seq, s.num_draft_slots, self._routes.get(s.seq.request_id) == LOOKUP) for s in spec]
+        )
         drafts = {s.seq.request_id: proposal.tokens[i] for i, s in enumerate(spec)}
         if proposal.probs is None:
             return drafts, None
@@ -200,10 +235,11 @@ class LLMEngine:
     def _observe_costs(self, num_fed: int, target_seconds: float) -> None:
         # Drained every step, policy or not: with a fixed k nobody else would empty it.
         draft_times = getattr(self.drafter, "forward_times", None) or []
-        if self.policy is not None:
-            self.policy.target_cost.observe(num_fed, target_seconds)
+        for policy in self.policies.values():
+            policy.target_cost.observe(num_fed, target_seconds)
+        if MODEL in self.policies:
             for n, secs in draft_times:
-                self.policy.draft_cost.observe(n, secs)
+                self.policies[MODEL].draft_cost.observe(n, secs)
         if draft_times:
             draft_times.clear()
 
@@ -251,8 +287,9 @@ class LLMEngine:
                 for j in range(num_accepted):
                     pos_counts[j] += 1
                 accepted_lengths.append(num_accepted + 1)
-                if self.policy is not None:
-                    self.policy.observe(seq.request_id, k, num_accepted)
+                policy = self.policies.get(self._routes.get(seq.request_id, MODEL))
+                if policy is not None:
+                    policy.observe(seq.request_id, k, num_accepted)
             try:
                 out = self._append(seq, emitted, seq_logits)
             except Exception:  # e.g. the detokenizer on this sequence's text: fail it, not the whole batch

@@ -15,11 +15,15 @@ from engine.rng import RequestRandom
 from engine.spec.adaptive import AdaptivePolicy
 from engine.spec.draft_model import DraftModelDrafter
 from engine.spec.drafter import Drafter
+from engine.spec.hybrid import HybridDrafter
 from engine.spec.ngram import NgramDrafter
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CONTEXT = 2048
+# Beside a draft model, a lookup must match at least this many tokens: a one-token suffix recurs almost
+# everywhere and would take every step from the model with guesses that rarely hold.
+HYBRID_NGRAM_MIN = 2
 
 
 class TokenizerMismatchError(ValueError):
@@ -74,7 +78,7 @@ def load(config: EngineConfig) -> Loaded:
     target = ModelRunner(config.model, config.dtype, config.device, config.trust_remote_code, config.device_map)
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     draft = None
-    if config.speculative_method is SpeculativeMethod.DRAFT_MODEL:
+    if config.uses_draft_model:
         assert config.draft_model is not None
         draft_tok = load_tokenizer(config.draft_model, config.trust_remote_code)
         check_same_tokenizer(tokenizer, draft_tok, config.model, config.draft_model)
@@ -96,9 +100,13 @@ def load(config: EngineConfig) -> Loaded:
     block_bytes = target.bytes_per_block(config.block_size) + (draft.bytes_per_block(config.block_size) if draft else 0)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
+        sizing = f"num_kv_blocks {num_blocks}"
     else:
         budget = int(config.kv_cache_memory_gb * 2**30) // block_bytes
         num_blocks = min(budget, per_seq * config.max_num_seqs)
+        sizing = f"budget {config.kv_cache_memory_gb:g} GiB = {budget} blocks"
+        if num_blocks < budget:
+            sizing += f", capped at max_num_seqs {config.max_num_seqs} x {per_seq} blocks per sequence"
     if num_blocks < per_seq:
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, fewer than one sequence "
@@ -108,7 +116,8 @@ def load(config: EngineConfig) -> Loaded:
     if draft:
         draft.allocate_cache(num_blocks, config.block_size)
     logger.info(
-        "loaded %s%s on %s (%s) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; max_model_len %d",
+        "loaded %s%s on %s (%s) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s); "
+        "max_model_len %d",
         config.model,
         f" with draft {config.draft_model}" if draft else "",
         ", ".join(str(d) for d in dict.fromkeys(target.layer_devices)) if target.split else target.device,
@@ -118,6 +127,7 @@ def load(config: EngineConfig) -> Loaded:
         config.block_size,
         num_blocks * config.block_size,
         num_blocks * block_bytes / 2**20,
+        sizing,
         max_model_len,
     )
     return Loaded(target, draft, tokenizer, eos_token_ids(config.model, target, tokenizer), max_model_len, num_blocks)
@@ -129,14 +139,18 @@ def make_drafter(config: EngineConfig, loaded: Loaded, rng: RequestRandom) -> Dr
     if config.speculative_method is SpeculativeMethod.NGRAM:
         return NgramDrafter(config.ngram_max, config.ngram_min)
     assert loaded.draft is not None
-    return DraftModelDrafter(loaded.draft, loaded.target.vocab_size, loaded.eos_ids, rng)
+    model = DraftModelDrafter(loaded.draft, loaded.target.vocab_size, loaded.eos_ids, rng)
+    if config.speculative_method is SpeculativeMethod.HYBRID:
+        return HybridDrafter(model, config.ngram_max, max(config.ngram_min, HYBRID_NGRAM_MIN))
+    return model
 
 
-def calibrate(policy: AdaptivePolicy, loaded: Loaded, k_max: int, block_size: int) -> None:
+def calibrate(policy: AdaptivePolicy, loaded: Loaded, draft: ModelRunner | None, k_max: int, block_size: int) -> None:
     """Seed the cost model with a few timed forwards at start-up, so the first requests already get
-    a sensible k. Writes into blocks nobody owns yet; their contents are garbage-by-design."""
+    a sensible k. Writes into blocks nobody owns yet; their contents are garbage-by-design. ``draft``
+    is the runner whose forwards a draft costs, None for prompt lookup."""
     blocks = list(range(-(-(4 * (k_max + 1)) // block_size)))
-    for runner, cost in ((loaded.target, policy.target_cost), (loaded.draft, policy.draft_cost)):
+    for runner, cost in ((loaded.target, policy.target_cost), (draft, policy.draft_cost)):
         if runner is None:
             continue
         for n in (1, k_max + 1, 4 * (k_max + 1)):
@@ -147,8 +161,9 @@ def calibrate(policy: AdaptivePolicy, loaded: Loaded, k_max: int, block_size: in
                 runner.synchronize()
                 best = min(best, time.perf_counter() - t0)
             cost.observe(n, best)
-    if loaded.draft is None:
+    if draft is None:
         # n-gram lookup: a draft costs a Python lookup, not a forward; a small constant will do.
         policy.draft_cost.observe(1, 2e-5)
     policy.freeze_reference()
-    logger.info("adaptive k: cost ratio c at batch 1 = %.3f", policy.cost_ratio(1))
+    logger.info("adaptive k (%s): cost ratio c at batch 1 = %.3f", "draft model" if draft else "lookup",
+                policy.cost_ratio(1))

@@ -160,10 +160,10 @@ def create_app(
 
     def card() -> ModelCard:
         s = serving()
-        method = config.method
+        ec = s.engine.config  # what the engine runs, whichever way it was built
         return ModelCard(
             id=config.served_name, root=config.target_path, max_model_len=s.max_model_len,
-            draft_model=config.draft_path if method == "draft_model" else None, speculative_method=method,
+            draft_model=ec.draft_model if ec.uses_draft_model else None, speculative_method=ec.speculative_method.value,
         )
 
     @v1.get("/models")

@@ -24,7 +24,7 @@ DEFAULT_SERVED_NAME = "specd-default"
 ENV_PREFIX = "SPECD_"  # SPECD_<OPTION IN CAPITALS> sets any option below
 API_KEY_ENV = "SPECD_API_KEY"
 CONFIG_ENV = "SPECD_CONFIG"  # the YAML file, when --config is not given
-METHODS = ("draft_model", "ngram", "none")
+METHODS = ("hybrid", "draft_model", "ngram", "none")
 
 
 class ConfigError(ValueError):
@@ -35,7 +35,7 @@ class ConfigError(ValueError):
 class ServerConfig:
     model: str | None = None  # None: the embedded default pair under models/default/
     draft_model: str | None = None
-    speculative_method: str | None = None  # None: draft_model when a draft is given, else none
+    speculative_method: str | None = None  # None: hybrid when a draft is given, else none
     num_speculative_tokens: int | None = None  # None: adaptive k per sequence per step
     served_model_name: str | None = None  # None: the model directory's name
     chat_template: str | None = None  # a Jinja file used instead of the tokenizer's own template
@@ -71,8 +71,8 @@ class ServerConfig:
         if self.speculative_method is not None and self.speculative_method not in METHODS:
             valid = ", ".join(METHODS)
             raise ConfigError(f"speculative_method must be one of {valid}, got {self.speculative_method!r}")
-        if self.speculative_method == "draft_model" and self.model is not None and not self.draft_model:
-            raise ConfigError("speculative_method draft_model needs --draft-model")
+        if self.speculative_method in ("draft_model", "hybrid") and self.model is not None and not self.draft_model:
+            raise ConfigError(f"speculative_method {self.speculative_method} needs --draft-model")
         if self.max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
         for name in ("max_n", "max_stop_sequences", "max_body_bytes"):
@@ -109,7 +109,7 @@ class ServerConfig:
     def method(self) -> str:
         if self.speculative_method is not None:
             return self.speculative_method
-        return "draft_model" if self.draft_path else "none"
+        return "hybrid" if self.draft_path else "none"
 
     @property
     def served_name(self) -> str:
@@ -123,7 +123,7 @@ class ServerConfig:
         """Fail before loading anything (and before binding a port) when a model path is missing."""
         if self.uses_default_pair:
             needed = [self.target_path]
-            if self.method == "draft_model" and self.draft_path:
+            if self.method in ("draft_model", "hybrid") and self.draft_path:
                 needed.append(self.draft_path)
             missing = [p for p in needed if not Path(p).exists()]
             if missing:
@@ -145,7 +145,7 @@ class ServerConfig:
         method = self.method
         return EngineConfig(
             model=self.target_path,
-            draft_model=self.draft_path if method == "draft_model" else None,
+            draft_model=self.draft_path if method in ("draft_model", "hybrid") else None,
             speculative_method=method,
             num_speculative_tokens=self.num_speculative_tokens,
             dtype=self.dtype,

@@ -73,6 +73,11 @@ class Metrics:
             "Tokens emitted per verify step (accepted drafts + 1), per sequence that drafted.",
             name, MAX_ACCEPTED_LENGTH, r,
         )
+        # Where step time goes: with these, speedup bounds and the engine's own share come from /metrics.
+        self.steps = counter("specd:engine_steps", "Engine steps (one target forward each).")
+        self.step_seconds = counter("specd:engine_step_seconds", "Wall time of engine steps, seconds.")
+        self.target_seconds = counter("specd:target_forward_seconds", "Target forward passes within steps, seconds.")
+        self.draft_seconds = counter("specd:draft_seconds", "Drafting (proposals, all draft forwards) within steps.")
         # Tokens and requests, from what the HTTP handlers delivered.
         self.prompt_tokens = counter("specd:prompt_tokens", "Prompt tokens of requests, counted once per request.")
         self.generation_tokens = counter("specd:generation_tokens", "Generated tokens delivered to requests.")
@@ -123,6 +128,10 @@ class Metrics:
 
     def observe_step(self, step: StepStats, outputs: list[RequestOutput]) -> None:
         self.window.add(step)
+        self.steps.inc()
+        self.step_seconds.inc(step.step_seconds)
+        self.target_seconds.inc(step.target_seconds)
+        self.draft_seconds.inc(step.draft_seconds)
         if step.num_draft_tokens:
             self.num_drafts.inc(step.num_drafts)
             self.draft_tokens.inc(step.num_draft_tokens)

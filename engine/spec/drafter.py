@@ -14,6 +14,7 @@ from engine.sequence import Sequence
 class DraftRequest:
     seq: Sequence
     max_drafts: int  # propose at most this many (>= 1)
+    lookup: bool = False  # a hybrid drafter: propose the n-gram match, not the draft model's tokens
 
 
 @dataclass(frozen=True)

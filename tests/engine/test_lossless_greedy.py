@@ -28,13 +28,13 @@ def run_batches(llm: LLM, ref: Reference, prompts: list[list[int]], label: str) 
 
 
 @pytest.mark.parametrize("k", [1, 4, 8, None], ids=lambda k: f"k={k if k is not None else 'adaptive'}")
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "hybrid"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_speculation_equals_target_alone(arch, method, k, model_sets, references, tokenizer_dir):
     ms = model_sets[arch]
     llm = LLM(
         model=str(ms.target),
-        draft_model=str(ms.draft) if method == "draft_model" else None,
+        draft_model=str(ms.draft) if method != "ngram" else None,
         speculative_method=method,
         num_speculative_tokens=k,
         dtype="float32",

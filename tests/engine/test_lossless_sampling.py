@@ -90,6 +90,35 @@ def engine_samples(llm: LLM, **params) -> np.ndarray:
     return counts
 
 
+def route_half_to_lookup(llm: LLM) -> None:
+    """This tiny vocabulary's 2-gram matches are too rare to mix sources often, so half the requests
+    get a fixed "lookup" proposal: verification must be exact for any one-hot proposal, likely or not,
+    next to the draft model's real distributions in the same step."""
+    drafter = llm.engine.drafter
+    match = drafter.match
+
+    def forced(seq, k):  # noqa: ANN001, ANN202
+        if int(seq.request_id.rsplit("-", 1)[-1]) % 2:  # LLM.generate names requests gen-N
+            drafter._matches[seq.request_id] = [2, 0, 2][:k]
+            return drafter._matches[seq.request_id]
+        return match(seq, k)
+
+    drafter.match = forced
+
+
+def record_mixed_batches(llm: LLM) -> list[int]:
+    """Counts the draft steps whose batch holds both lookup and draft-model proposals."""
+    drafter, mixed = llm.engine.drafter, [0]
+    propose = drafter.propose
+
+    def spy(requests):  # noqa: ANN001, ANN202
+        mixed[0] += len({r.lookup for r in requests}) == 2
+        return propose(requests)
+
+    drafter.propose = spy
+    return mixed
+
+
 def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     """Cells with expected count < 5 are pooled into one bin, as the test requires."""
     expected = probs.ravel() * counts.sum()
@@ -104,16 +133,21 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "hybrid"])
 def test_sampled_tokens_follow_the_target_distribution(method, setting, pair):
     target, draft = pair
     params = SETTINGS[setting]
     llm = LLM(
-        model=str(target), draft_model=str(draft) if method == "draft_model" else None,
+        model=str(target), draft_model=str(draft) if method != "ngram" else None,
         speculative_method=method, num_speculative_tokens=3, dtype="float32", device="cpu",
         max_num_seqs=512, max_num_batched_tokens=4096, seed=1234,
     )
+    mixed = record_mixed_batches(llm)
+    if method == "hybrid":
+        route_half_to_lookup(llm)
     counts = engine_samples(llm, **params)
+    if method == "hybrid":
+        assert mixed[0] > 0, "no step mixed lookup and draft-model proposals"
     stats = llm.stats()
     # Both the accept and the reject paths must have run, or the test proves little.
     assert 0.05 < stats.acceptance_rate < 0.95, f"acceptance {stats.acceptance_rate:.2f}: q too close to or far from p"

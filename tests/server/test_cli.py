@@ -29,7 +29,7 @@ def test_flags_win_over_yaml_keys_written_either_way(tmp_path):
     path.write_text("model: org/m\nmax-num-seqs: 8\nport: 9000\nnum_speculative_tokens: adaptive\nhost: 0.0.0.0\n")
     config = parse_config(["serve", "--config", str(path), "--port", "9001", "--draft-model", "org/d"])
     assert (config.model, config.max_num_seqs, config.port, config.host) == ("org/m", 8, 9001, "0.0.0.0")
-    assert config.num_speculative_tokens is None and config.method == "draft_model"
+    assert config.num_speculative_tokens is None and config.method == "hybrid"
     assert config.served_name == "m"
     engine_config = config.engine_config()
     assert engine_config.draft_model == "org/d" and engine_config.max_num_seqs == 8
@@ -108,7 +108,7 @@ def test_example_configs_parse(monkeypatch):
         config = parse_config(["serve", "--config", str(ROOT / "configs" / name)])
         config.engine_config()
     gpu = parse_config(["serve", "--config", str(ROOT / "configs" / "llama-3.1-8b-gpu.yaml")])
-    assert (gpu.dtype, gpu.device, gpu.method) == ("bfloat16", "cuda", "draft_model")
+    assert (gpu.dtype, gpu.device, gpu.method) == ("bfloat16", "cuda", "hybrid")
 
 
 # ---- the real process ---------------------------------------------------------------------------------

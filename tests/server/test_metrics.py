@@ -103,6 +103,13 @@ def test_token_counters_equal_the_usage_returned_streamed_or_not_with_n_choices(
     ttft = delta(before, after, "specd:time_to_first_token_seconds_sum")
     e2e = delta(before, after, "specd:e2e_request_latency_seconds_sum")
     assert 0 < ttft < e2e
+    # Each delta came out of one step, and each step's forwards happen inside it.
+    steps = delta(before, after, "specd:engine_steps_total", model_name=MODEL)
+    assert steps >= choices
+    step_s = delta(before, after, "specd:engine_step_seconds_total", model_name=MODEL)
+    target_s = delta(before, after, "specd:target_forward_seconds_total", model_name=MODEL)
+    draft_s = delta(before, after, "specd:draft_seconds_total", model_name=MODEL)
+    assert 0 < target_s and 0 < draft_s and target_s + draft_s <= step_s
 
 
 def test_speculation_counters_agree_with_each_other(server):
@@ -128,7 +135,7 @@ EXPORTED = [
     *(f"specd:{c}_total" for c in (
         "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
         "spec_decode_num_accepted_tokens_per_pos", "prompt_tokens", "generation_tokens", "request_success",
-        "request_failure",
+        "request_failure", "engine_steps", "engine_step_seconds", "target_forward_seconds", "draft_seconds",
     )),
     *(f"specd:{g}" for g in (
         "spec_decode_acceptance_rate", "generation_tokens_per_second", "num_requests_running", "num_requests_waiting",

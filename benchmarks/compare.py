@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""specd against the peers a user would otherwise pick on the same stack, side by side.
+
+    python benchmarks/compare.py                      # the embedded default pair, CPU: ~15 min on 2 cores
+    python benchmarks/compare.py --rounds 1 --concurrency 1 4 --prompts 4   # a quick look
+    python benchmarks/compare.py --target DIR --draft DIR --device cuda     # another pair, a GPU
+
+Systems, all on one machine, started by this process (servers on 127.0.0.1, generate() in a worker):
+  specd adaptive          --speculative-method hybrid (the default with a draft): per sequence per step,
+                          the draft model or n-gram lookup, whichever promises more, and its k
+  specd draft             the draft model alone, adaptive k
+  specd none              --speculative-method none: the baseline every ratio is taken against
+  specd ngram             n-gram lookup over the prompt and output, adaptive k
+  transformers serve      `transformers serve`, with and without --continuous-batching
+  generate assisted       transformers' generate(assistant_model=draft)
+  generate prompt lookup  transformers' generate(prompt_lookup_num_tokens=10)
+Every system loads the same weights in the same dtype (float32 on CPU, bfloat16 on CUDA) with the
+process's default thread count.
+
+Workload: greedy, 128 new tokens (or until EOS, the same for everyone since greedy output is
+the same), streamed completions; batch 1 (requests one after another) and concurrency 4, 16, 32
+(with 2x that many requests). generate() takes one sequence at a time, so it runs at batch 1 only.
+Two prompt sets (benchmarks/peer_bench/prompts.py): code completion, and an input-grounded editing
+task where the output copies the prompt. Rounds interleave the systems, so machine noise hits all
+of them alike; ratios against specd none are medians of per-round ratios.
+
+Per (set, concurrency, system): tokens/s (output tokens, recounted from the text with the target's
+tokenizer, over the run's wall time), TTFT p50, TPOT p50/p99 ((latency - TTFT) / (tokens - 1) per
+request), acceptance (specd: from /metrics), tokens per target forward, whether the text equals
+specd none's, and for specd's speculative runs the bound E(a,k)/(1+kc) from the measured acceptance
+and costs (peer_bench/report.py says how). Writes benchmarks/results/compare.json, docs/compare.md
+and the plots docs/compare_throughput.png and docs/compare_bound.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "benchmarks"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import torch  # noqa: E402
+from peer_bench import client, report  # noqa: E402
+from peer_bench.prompts import PROMPT_SETS  # noqa: E402
+from peer_bench.systems import Running, systems  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+DEFAULT_PAIR = ROOT / "models" / "default"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(DEFAULT_PAIR / "target"))
+    ap.add_argument("--draft", default=str(DEFAULT_PAIR / "draft"))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--sets", nargs="+", default=list(PROMPT_SETS), choices=list(PROMPT_SETS))
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 32])
+    ap.add_argument("--prompts", type=int, default=8, help="requests at batch 1; 2 x concurrency above it")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--systems", nargs="+", help="a subset, by name (default: all)")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compare.json")
+    ap.add_argument("--docs", type=Path, default=ROOT / "docs", help="where compare.md and the plots go")
+    args = ap.parse_args()
+
+    chosen = [s for s in systems(args.target, args.draft, args.device) if not args.systems or s.name in args.systems]
+    if not any(s.name == report.BASELINE for s in chosen):
+        ap.error(f"the systems must include {report.BASELINE!r}: every ratio is taken against it")
+    tok = AutoTokenizer.from_pretrained(args.target)
+    needed = max(args.prompts, *(2 * c for c in args.concurrency if c > 1))
+    prompts = {name: PROMPT_SETS[name](tok, needed) for name in args.sets}
+
+    log_dir = Path(tempfile.mkdtemp(prefix="specd-compare-"))
+    print(f"starting {len(chosen)} systems (logs in {log_dir})", flush=True)
+    running = [Running(s, log_dir) for s in chosen]
+    rows: list[dict] = []
+    t_start = time.perf_counter()
+    try:
+        for r in running:
+            r.wait_ready()
+            warm = client.run(r, prompts[args.sets[0]][:1], 16, 1)  # first-call allocations
+            if not all(x.ok for x in warm.results):
+                raise RuntimeError(f"{r.system.name} failed its warm-up: {warm.results[0].error}")
+        print(f"all ready in {time.perf_counter() - t_start:.0f} s", flush=True)
+        for rnd in range(args.rounds):
+            order = running[rnd % len(running):] + running[: rnd % len(running)]  # rotate who goes first
+            for name in args.sets:
+                for conc in args.concurrency:
+                    batch = prompts[name][: args.prompts if conc == 1 else 2 * conc]
+                    for r in order:
+                        if r.system.kind == "generate" and conc > 1:
+                            continue
+                        run = client.run(r, batch, args.max_tokens, conc)
+                        rows.append(row_of(rnd, name, conc, r.system.name, run, tok))
+                        x = rows[-1]
+                        print(f"round {rnd + 1}/{args.rounds} {name:5s} c{conc:<3d} {r.system.name:24s} "
+                              f"{x['tokens_per_s']:8.1f} tok/s  ttft p50 {report.pct(x['ttft_ms'], 50):7.1f} ms"
+                              + (f"  {x['failed']} FAILED: {x['errors'][:1]}" if x["failed"] else ""), flush=True)
+    finally:
+        for r in running:
+            r.stop()
+    mark_same_text(rows)
+    lines = report.summarize(rows)
+    machine = (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {args.device}"
+               + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))
+    title = (f"{Path(args.target).name} + {Path(args.draft).name}, greedy, {args.max_tokens} new tokens, "
+             f"{args.rounds} rounds, {machine}")
+    text = report.table(lines)
+    print("\n" + title + "\n\n" + text)
+    for r in rows:
+        r.pop("texts")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"title": title, "args": {k: str(v) for k, v in vars(args).items()},
+                                    "summary": lines, "rows": rows}, indent=1))
+    pngs = report.plot(lines, args.docs, title)
+    (args.docs / "compare.md").write_text(
+        f"# specd vs peers\n\n`{' '.join(['python', *sys.argv])}`\n\n{title}\n\n{text}\n\n"
+        + "".join(f"![{p.stem}]({p.name})\n" for p in pngs)
+    )
+    print(f"\nwrote {args.out}, {args.docs / 'compare.md'}, " + ", ".join(map(str, pngs)))
+
+
+def row_of(rnd: int, name: str, conc: int, system: str, run: client.Run, tok: object) -> dict:
+    ok = [x for x in run.results if x.ok]
+    counts = [len(tok.encode(x.text, add_special_tokens=False)) for x in ok]
+    row = {
+        "round": rnd, "set": name, "concurrency": conc, "system": system, "requests": len(run.results),
+        "failed": len(run.results) - len(ok), "errors": sorted({x.error for x in run.results if not x.ok})[:3],
+        "seconds": run.seconds, "output_tokens": sum(counts), "tokens_per_s": sum(counts) / run.seconds,
+        "ttft_ms": [x.ttft * 1e3 for x in ok],
+        "tpot_ms": [(x.latency - x.ttft) / (n - 1) * 1e3 for x, n in zip(ok, counts, strict=True) if n > 1],
+        "counters": run.counters, "texts": [x.text if x.ok else None for x in run.results], "same_text": None,
+    }
+    if ok and "target_forwards" in ok[0].usage:
+        row["hf_forwards"] = [sum(x.usage["target_forwards"] for x in ok), sum(x.usage["draft_forwards"] for x in ok)]
+    return row
+
+
+def mark_same_text(rows: list[dict]) -> None:
+    """Greedy output must not depend on the system: count texts equal to specd none's for the same prompt."""
+    base = {(r["round"], r["set"], r["concurrency"]): r["texts"] for r in rows if r["system"] == report.BASELINE}
+    for r in rows:
+        ref = base.get((r["round"], r["set"], r["concurrency"]))
+        if ref is not None and r["system"] != report.BASELINE:
+            r["same_text"] = sum(a is not None and a == b for a, b in zip(r["texts"], ref, strict=True))
+
+
+if __name__ == "__main__":
+    main()

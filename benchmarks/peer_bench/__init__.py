@@ -1,0 +1,1 @@
+"""The pieces of benchmarks/compare.py; its docstring says what is compared and how."""

@@ -1,0 +1,118 @@
+"""The systems compared: HTTP servers started as child processes, and transformers' generate() in a
+child worker. All load the same weights in the same dtype (float32 on CPU, bfloat16 on CUDA)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    kind: str  # "server" (OpenAI HTTP API) or "generate" (hf_worker.py, batch 1 only)
+    args: tuple[str, ...]  # server: the command after the interpreter; generate: hf_worker.py flags
+    speculative: bool = False  # specd with a drafter: acceptance and the bound apply
+
+
+def systems(target: str, draft: str, device: str) -> list[System]:
+    dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    specd = ("-m", "server", "serve", "--model", target, "--dtype", dtype, "--device", device, "--max-num-seqs", "64")
+    ts = ("-m", "transformers.cli.transformers", "serve", target, "--device", device, "--dtype", dtype)
+    gen = ("--target", target, "--device", device)
+    return [
+        System("specd adaptive", "server", (*specd, "--draft-model", draft, "--speculative-method", "hybrid"),
+               speculative=True),
+        System("specd draft", "server", (*specd, "--draft-model", draft, "--speculative-method", "draft_model"),
+               speculative=True),
+        System("specd none", "server", (*specd, "--speculative-method", "none")),
+        System("specd ngram", "server", (*specd, "--speculative-method", "ngram"), speculative=True),
+        System("transformers serve", "server", ts),
+        System("transformers serve --cb", "server", (*ts, "--continuous-batching")),
+        System("generate assisted", "generate", (*gen, "--mode", "assisted", "--draft", draft)),
+        System("generate prompt lookup", "generate", (*gen, "--mode", "lookup")),
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """One started system. Servers are probed on /health; generate workers say they are ready."""
+
+    def __init__(self, system: System, log_dir: Path) -> None:
+        self.system = system
+        self.port = free_port()
+        self.log = open(log_dir / (system.name.replace(" ", "_").replace("-", "") + ".log"), "w")  # noqa: SIM115
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        if system.kind == "server":
+            cmd = [sys.executable, *system.args, "--port", str(self.port)]
+            if "transformers" not in system.args[1]:
+                cmd += ["--host", "127.0.0.1"]
+            else:
+                cmd += ["--host", "127.0.0.1", "--log-level", "warning"]
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        else:
+            cmd = [sys.executable, str(HERE / "hf_worker.py"), *system.args]
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=self.log, env=env, text=True)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.model_id = ""
+
+    def _model_id(self) -> str:
+        """The served model's id; `transformers serve` answers with the path it was given (and its
+        /v1/models lists the Hub cache, which may not exist)."""
+        if "transformers" in self.system.args[1]:
+            return self.system.args[3]
+        return httpx.get(self.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        if self.system.kind == "generate":
+            line = self.proc.stdout.readline()
+            if not line or not json.loads(line).get("ready"):
+                raise RuntimeError(f"{self.system.name} did not start; see {self.log.name}")
+            return
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.system.name} exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    self.model_id = self._model_id()
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.system.name} not ready after {timeout:.0f} s; see {self.log.name}")
+
+    def generate(self, prompts: list[str], max_new_tokens: int) -> list[dict]:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_new_tokens": max_new_tokens}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.system.name} worker died; see {self.log.name}")
+        return json.loads(line)["results"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
