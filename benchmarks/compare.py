@@ -75,7 +75,7 @@ def main() -> None:
     if not any(s.name == report.BASELINE for s in chosen):
         ap.error(f"the systems must include {report.BASELINE!r}: every ratio is taken against it")
     tok = AutoTokenizer.from_pretrained(args.target)
-    needed = max(args.prompts, *(2 * c for c in args.concurrency if c > 1))
+    needed = max([args.prompts, *(2 * c for c in args.concurrency if c > 1)])
     prompts = {name: PROMPT_SETS[name](tok, needed) for name in args.sets}
 
     log_dir = Path(tempfile.mkdtemp(prefix="specd-compare-"))

@@ -75,6 +75,9 @@ class LLMEngine:
                 calibrate(policy, loaded, loaded.draft if source == MODEL else None, config.k_max, config.block_size)
                 self.policies[source] = policy
         self._routes: dict[str, str] = {}  # request id -> the source it drafts from in this step
+        # Lookup matches of sequences the draft model drafts for this step: scored against what the
+        # step emits, free acceptance evidence for the lookup (greedy: exactly what it would have had).
+        self._shadow: dict[str, list[int]] = {}
         self.stop = StopChecker(self.eos_ids, self.max_model_len, self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self.spec_stats = SpecDecodeStats()
@@ -166,6 +169,7 @@ class LLMEngine:
 
     def _draft_lens(self) -> dict[str, int]:
         self._routes.clear()
+        self._shadow.clear()
         if self.drafter is None:
             return {}
         decoding = [s for s in self.scheduler.running if s.is_decoding]
@@ -188,14 +192,20 @@ class LLMEngine:
         if not isinstance(self.drafter, HybridDrafter):
             source = LOOKUP if self.config.speculative_method is SpeculativeMethod.NGRAM else MODEL
             return source, k if k is not None else self.policies[source].choose(rid, batch, batch_independent=seeded)
-        match = self.drafter.match(seq, self.config.k_max if k is None else k) if k != 0 else []
         if k is not None:
+            # No rates to compare at a fixed k: the lookup takes the step when a suffix of two or more
+            # tokens matched (a lone token recurs nearly everywhere, and its guesses rarely hold).
+            match = self.drafter.match(seq, k, n_min=max(2, self.drafter.n_min)) if k else []
             return (LOOKUP, min(k, len(match))) if match else (MODEL, k)
+        # Adaptive: any match may compete; each source's own acceptance history decides.
+        match = self.drafter.match(seq, self.config.k_max)
         model, lookup = self.policies[MODEL], self.policies[LOOKUP]
         # A seeded sampled request's route, like its k, must not depend on what shares its batch: both
         # rates then use the frozen batch-1 costs and the request's own acceptance history.
         if match and lookup.rate(rid, batch, seeded, len(match)) >= model.rate(rid, batch, seeded):
             return LOOKUP, lookup.choose(rid, batch, seeded, len(match))
+        if match:
+            self._shadow[rid] = match
         return MODEL, model.choose(rid, batch, batch_independent=seeded)
 
     def _propose(self, scheduled: list[ScheduledSeq]) -> tuple[dict[str, list[int]], DraftProbs | None]:
@@ -278,6 +288,12 @@ class LLMEngine:
             k = len(drafts.get(seq.request_id, []))
             seq_logits = logits[row : row + len(emitted)]
             row += k + 1
+            shadow = self._shadow.get(seq.request_id)
+            if shadow:
+                # Censored at what the step emitted: a mismatch past it is unseen, so not a rejection.
+                seen = shadow[: len(emitted)]
+                agreed = next((i for i, (a, b) in enumerate(zip(seen, emitted)) if a != b), len(seen))
+                self.policies[LOOKUP].observe(seq.request_id, len(seen), agreed)
             if k:
                 n_drafts += 1
                 n_draft_tokens += k

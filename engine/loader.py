@@ -21,9 +21,6 @@ from engine.spec.ngram import NgramDrafter
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CONTEXT = 2048
-# Beside a draft model, a lookup must match at least this many tokens: a one-token suffix recurs almost
-# everywhere and would take every step from the model with guesses that rarely hold.
-HYBRID_NGRAM_MIN = 2
 
 
 class TokenizerMismatchError(ValueError):
@@ -141,7 +138,7 @@ def make_drafter(config: EngineConfig, loaded: Loaded, rng: RequestRandom) -> Dr
     assert loaded.draft is not None
     model = DraftModelDrafter(loaded.draft, loaded.target.vocab_size, loaded.eos_ids, rng)
     if config.speculative_method is SpeculativeMethod.HYBRID:
-        return HybridDrafter(model, config.ngram_max, max(config.ngram_min, HYBRID_NGRAM_MIN))
+        return HybridDrafter(model, config.ngram_max, config.ngram_min)
     return model
 
 

@@ -26,10 +26,10 @@ class HybridDrafter:
         self.forward_times = model.forward_times  # the engine's cost model reads the draft model's forwards
         self._matches: dict[str, list[int]] = {}  # this step's lookups, by request id
 
-    def match(self, seq: Sequence, k: int) -> list[int]:
-        """Up to k tokens the context predicts for ``seq`` ([] when its suffix never occurred before).
-        Remembered for this step's ``propose``."""
-        tokens = lookup(seq.token_ids, self.n_max, self.n_min, k)
+    def match(self, seq: Sequence, k: int, n_min: int | None = None) -> list[int]:
+        """Up to k tokens the context predicts for ``seq`` ([] when no suffix of at least ``n_min``
+        tokens, default the drafter's, occurred before). Remembered for this step's ``propose``."""
+        tokens = lookup(seq.token_ids, self.n_max, self.n_min if n_min is None else n_min, k)
         self._matches[seq.request_id] = tokens
         return tokens
 

@@ -17,7 +17,7 @@ from tests.tiny_models import build_tokenizer, save_model, tiny_config
 def llm_for(ms, method="draft_model", k=4, draft=None, **kw) -> LLM:
     return LLM(
         model=str(ms.target),
-        draft_model=str(draft or ms.draft) if method == "draft_model" else None,
+        draft_model=str(draft or ms.draft) if method in ("draft_model", "hybrid") else None,
         speculative_method=method,
         num_speculative_tokens=k,
         dtype="float32",
@@ -59,7 +59,7 @@ def test_rejected_drafts_roll_back_and_the_cache_equals_a_fresh_prefill(arch, mo
 
 
 @pytest.mark.parametrize("k", [4, None], ids=["k=4", "adaptive"])
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "hybrid"])
 def test_seeded_request_gives_the_same_output_whatever_shares_its_batch(method, k, model_sets, tokenizer_dir):
     llm = llm_for(model_sets["llama"], method=method, k=k)
     prompts = prompts_for(tokenizer_dir)
@@ -73,7 +73,7 @@ def test_seeded_request_gives_the_same_output_whatever_shares_its_batch(method, 
     assert llm.generate([prompts[0]], different_seed)[0].token_ids != alone
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "hybrid"])
 def test_logprobs_are_the_targets_with_and_without_speculation(method, model_sets, tokenizer_dir):
     ms = model_sets["qwen3"]
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=3)
@@ -91,7 +91,7 @@ def test_logprobs_are_the_targets_with_and_without_speculation(method, model_set
             assert x.logprob <= x.top[0][1] + 1e-6  # nothing beats the top alternative
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "hybrid"])
 def test_penalties_logit_bias_and_min_tokens_apply_without_breaking_losslessness(method, model_sets, tokenizer_dir):
     """The target alone with the same transforms is the speculation-off engine; drafts must not
     change a single token, because each verify row sees the drafts before it as generated tokens."""

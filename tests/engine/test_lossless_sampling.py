@@ -97,11 +97,11 @@ def route_half_to_lookup(llm: LLM) -> None:
     drafter = llm.engine.drafter
     match = drafter.match
 
-    def forced(seq, k):  # noqa: ANN001, ANN202
+    def forced(seq, k, n_min=None):  # noqa: ANN001, ANN202
         if int(seq.request_id.rsplit("-", 1)[-1]) % 2:  # LLM.generate names requests gen-N
             drafter._matches[seq.request_id] = [2, 0, 2][:k]
             return drafter._matches[seq.request_id]
-        return match(seq, k)
+        return match(seq, k, n_min)
 
     drafter.match = forced
 
