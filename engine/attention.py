@@ -207,6 +207,12 @@ def paged_attention_forward(
         mask = s.mask
         if sliding_window is not None:
             mask = mask & _window(s.positions, torch.arange(s.slots.numel(), device=mask.device), sliding_window)
+        elif s.fresh:
+            # A whole prompt in one chunk is plainly causal: saying so instead of passing the mask lets
+            # SDPA pick its flash kernel (CUDA, and CPU), which takes no explicit mask.
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+            out[s.rows] = o[0].transpose(0, 1)
+            continue
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [1, H, q, D]
         out[s.rows] = o[0].transpose(0, 1)
     return out[None], None  # [1, T, H, D], no attention weights
