@@ -12,10 +12,13 @@ from starlette.responses import StreamingResponse
 from server.errors import APIError
 
 DONE = "data: [DONE]\n\n"
+# Valid raw in JSON and in SSE, but line breaks to str.splitlines, which some clients (httpx's
+# aiter_lines among them) split event streams with: send them escaped, as JSON allows.
+_LINE_BREAKS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def event(chunk: BaseModel) -> str:
-    return f"data: {chunk.model_dump_json()}\n\n"
+    return f"data: {chunk.model_dump_json().translate(_LINE_BREAKS)}\n\n"
 
 
 def error_event(err: APIError) -> str:
