@@ -49,7 +49,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             t = sum(r["hf_forwards"][0] for r in sel)
             line["tokens_per_target_forward"] = sum(r["output_tokens"] for r in sel) / t if t else None
         elif counters.get("engine_steps"):
-            line["tokens_per_target_forward"] = counters["generation_tokens"] / counters["engine_steps"]
+            line["tokens_per_target_forward"] = counters.get("generation_tokens", 0.0) / counters["engine_steps"]
         out.append(line)
     for line in out:
         line.update(bound_for(line, out))
