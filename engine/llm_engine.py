@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, SpeculativeMethod
-from engine.loader import calibrate, load, make_drafter
+from engine.config import EngineConfig
+from engine.loader import load, make_drafter
 from engine.model_runner import ForwardBatch
 from engine.outputs import RequestOutput
 from engine.rng import RequestRandom
@@ -21,15 +21,12 @@ from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, TokenLogprob
 from engine.spec.adaptive import AdaptivePolicy
 from engine.spec.drafter import DraftRequest
-from engine.spec.hybrid import HybridDrafter
+from engine.spec.planner import DraftPlanner
 from engine.spec.verify import verify, verify_greedy
 from engine.stats import SpecDecodeStats, StepStats
 from engine.stop import StopChecker
 
 logger = logging.getLogger(__name__)
-
-# Where a sequence's drafts come from in a step: the draft model, or prompt lookup (n-gram).
-MODEL, LOOKUP = "model", "lookup"
 
 
 @dataclass(frozen=True)
@@ -65,19 +62,7 @@ class LLMEngine:
             self.block_manager,
         )
         self.drafter = make_drafter(config, loaded, self.rng)
-        # One adaptive policy per draft source: their costs and acceptance differ (a lookup is nearly free).
-        self.policies: dict[str, AdaptivePolicy] = {}
-        if self.drafter is not None and config.num_speculative_tokens is None:
-            sources = [MODEL] if config.uses_draft_model else []
-            sources += [LOOKUP] if config.uses_lookup else []
-            for source in sources:
-                policy = AdaptivePolicy(config.k_max)
-                calibrate(policy, loaded, loaded.draft if source == MODEL else None, config.k_max, config.block_size)
-                self.policies[source] = policy
-        self._routes: dict[str, str] = {}  # request id -> the source it drafts from in this step
-        # Lookup matches of sequences the draft model drafts for this step: scored against what the
-        # step emits, free acceptance evidence for the lookup (greedy: exactly what it would have had).
-        self._shadow: dict[str, list[int]] = {}
+        self.planner = DraftPlanner(config, self.drafter, loaded) if self.drafter is not None else None
         self.stop = StopChecker(self.eos_ids, self.max_model_len, self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self.spec_stats = SpecDecodeStats()
@@ -157,66 +142,30 @@ class LLMEngine:
         self.seqs.pop(seq.request_id, None)
         self.rng.remove(seq.request_id)
         self.stop.remove(seq.request_id)
-        for policy in self.policies.values():
-            policy.forget(seq.request_id)
+        if self.planner is not None:
+            self.planner.forget(seq.request_id)
 
     # ---- the step -------------------------------------------------------------------------------
 
     @property
     def policy(self) -> AdaptivePolicy | None:
         """The draft model's adaptive policy (the lookup's without a draft model), None at a fixed k."""
-        return self.policies.get(MODEL) or self.policies.get(LOOKUP)
+        return self.planner.policy if self.planner is not None else None
 
     def _draft_lens(self) -> dict[str, int]:
-        self._routes.clear()
-        self._shadow.clear()
-        if self.drafter is None:
+        if self.planner is None:
             return {}
-        decoding = [s for s in self.scheduler.running if s.is_decoding]
-        lens = {}
-        for seq in decoding:
-            source, k = self._plan(seq, len(decoding))
-            self._routes[seq.request_id] = source
-            lens[seq.request_id] = min(k, 16)
-        return lens
-
-    def _plan(self, seq: Sequence, batch: int) -> tuple[str, int]:
-        """(source, k) for one decoding sequence. A fixed k (the request's or the engine's) is used as
-        is; otherwise each source's policy proposes its best k and the source promising more tokens per
-        unit of step cost wins, the lookup only where the context matched."""
-        k = seq.params.num_speculative_tokens
-        if k is None:
-            k = self.config.num_speculative_tokens
-        seeded = seq.params.seed is not None and not seq.params.greedy
-        rid = seq.request_id
-        if not isinstance(self.drafter, HybridDrafter):
-            source = LOOKUP if self.config.speculative_method is SpeculativeMethod.NGRAM else MODEL
-            return source, k if k is not None else self.policies[source].choose(rid, batch, batch_independent=seeded)
-        if k is not None:
-            # No rates to compare at a fixed k: the lookup takes the step when a suffix of two or more
-            # tokens matched (a lone token recurs nearly everywhere, and its guesses rarely hold).
-            match = self.drafter.match(seq, k, n_min=max(2, self.drafter.n_min)) if k else []
-            return (LOOKUP, min(k, len(match))) if match else (MODEL, k)
-        # Adaptive: any match may compete; each source's own acceptance history decides.
-        match = self.drafter.match(seq, self.config.k_max)
-        model, lookup = self.policies[MODEL], self.policies[LOOKUP]
-        # A seeded sampled request's route, like its k, must not depend on what shares its batch: both
-        # rates then use the frozen batch-1 costs and the request's own acceptance history.
-        if match and lookup.rate(rid, batch, seeded, len(match)) >= model.rate(rid, batch, seeded):
-            return LOOKUP, lookup.choose(rid, batch, seeded, len(match))
-        if match:
-            self._shadow[rid] = match
-        return MODEL, model.choose(rid, batch, batch_independent=seeded)
+        return self.planner.plan([s for s in self.scheduler.running if s.is_decoding])
 
     def _propose(self, scheduled: list[ScheduledSeq]) -> tuple[dict[str, list[int]], DraftProbs | None]:
         """Drafts per request id, and the drafter's distributions (rows by request id) if it has them."""
         spec = [s for s in scheduled if s.num_draft_slots > 0]
         if not spec:
             return {}, None
-        assert self.drafter is not None
-        proposal = self.drafter.propose(
-            [DraftRequest(s.seq, s.num_draft_slots, self._routes.get(s.seq.request_id) == LOOKUP) for s in spec]
-        )
+        assert self.drafter is not None and self.planner is not None
+        lookup = self.planner.uses_lookup
+        proposal = self.drafter.propose([DraftRequest(s.seq, s.num_draft_slots, lookup(s.seq.request_id))
+                                         for s in spec])
         drafts = {s.seq.request_id: proposal.tokens[i] for i, s in enumerate(spec)}
         if proposal.probs is None:
             return drafts, None
@@ -242,17 +191,6 @@ class LLMEngine:
         self.target.synchronize()
         return logits, rows
 
-    def _observe_costs(self, num_fed: int, target_seconds: float) -> None:
-        # Drained every step, policy or not: with a fixed k nobody else would empty it.
-        draft_times = getattr(self.drafter, "forward_times", None) or []
-        for policy in self.policies.values():
-            policy.target_cost.observe(num_fed, target_seconds)
-        if MODEL in self.policies:
-            for n, secs in draft_times:
-                self.policies[MODEL].draft_cost.observe(n, secs)
-        if draft_times:
-            draft_times.clear()
-
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         t_step = time.perf_counter()
@@ -266,7 +204,10 @@ class LLMEngine:
         t_target = time.perf_counter()
         logits, rows = self._forward(sched_list, drafts)
         target_seconds = time.perf_counter() - t_target
-        self._observe_costs(sum(s.num_new_tokens for s in sched_list) + sum(map(len, drafts.values())), target_seconds)
+        if self.planner is not None:
+            self.planner.observe_costs(
+                sum(s.num_new_tokens for s in sched_list) + sum(map(len, drafts.values())), target_seconds
+            )
 
         sampling = [s for s, r in zip(sched_list, rows) if r > 0]
         outputs: list[RequestOutput] = []
@@ -288,12 +229,8 @@ class LLMEngine:
             k = len(drafts.get(seq.request_id, []))
             seq_logits = logits[row : row + len(emitted)]
             row += k + 1
-            shadow = self._shadow.get(seq.request_id)
-            if shadow:
-                # Censored at what the step emitted: a mismatch past it is unseen, so not a rejection.
-                seen = shadow[: len(emitted)]
-                agreed = next((i for i, (a, b) in enumerate(zip(seen, emitted)) if a != b), len(seen))
-                self.policies[LOOKUP].observe(seq.request_id, len(seen), agreed)
+            if self.planner is not None:
+                self.planner.observe(seq.request_id, k, num_accepted, emitted)
             if k:
                 n_drafts += 1
                 n_draft_tokens += k
@@ -303,9 +240,6 @@ class LLMEngine:
                 for j in range(num_accepted):
                     pos_counts[j] += 1
                 accepted_lengths.append(num_accepted + 1)
-                policy = self.policies.get(self._routes.get(seq.request_id, MODEL))
-                if policy is not None:
-                    policy.observe(seq.request_id, k, num_accepted)
             try:
                 out = self._append(seq, emitted, seq_logits)
             except Exception:  # e.g. the detokenizer on this sequence's text: fail it, not the whole batch

@@ -7,10 +7,11 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.llm_engine import LOOKUP, MODEL, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.sequence import Sequence
 from engine.spec.drafter import DraftRequest
 from engine.spec.hybrid import HybridDrafter
+from engine.spec.planner import LOOKUP, MODEL
 
 REPEATING = [5, 6, 7, 8, 9, 5, 6, 7]  # the 3-gram (5, 6, 7) recurred: the lookup proposes 8, 9, ...
 FRESH = [11, 12, 13, 14, 15, 16, 17, 18]  # nothing recurs
@@ -40,7 +41,7 @@ def prefilled(engine: LLMEngine, rid: str, ids: list[int], params: SamplingParam
 def test_a_matching_context_drafts_by_lookup_and_a_fresh_one_by_the_model(k, model_sets):
     engine = engine_for(model_sets["llama"], k)
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    route = {rid: engine._plan(standalone(rid, ids, greedy), batch=2) for rid, ids in (("r", REPEATING),
+    route = {rid: engine.planner.plan_one(standalone(rid, ids, greedy), batch=2) for rid, ids in (("r", REPEATING),
                                                                                         ("f", FRESH))}
     assert route["r"][0] == LOOKUP and route["f"][0] == MODEL
     assert route["r"][1] >= 1 and (k is None or route["r"][1] == k), "5 tokens follow the match: k is not cut"
@@ -49,7 +50,7 @@ def test_a_matching_context_drafts_by_lookup_and_a_fresh_one_by_the_model(k, mod
 def test_a_one_token_match_is_not_enough_beside_a_draft_model(model_sets):
     engine = engine_for(model_sets["llama"], 4)
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    assert engine._plan(standalone("x", [1, 9, 3, 4, 9], greedy), batch=1) == (MODEL, 4)
+    assert engine.planner.plan_one(standalone("x", [1, 9, 3, 4, 9], greedy), batch=1) == (MODEL, 4)
 
 
 def test_mixed_proposals_carry_one_hot_q_beside_the_models_q(model_sets):
@@ -84,4 +85,4 @@ def test_hybrid_is_the_default_with_a_draft_model(model_sets):
     ms = model_sets["llama"]
     llm = LLM(str(ms.target), draft_model=str(ms.draft), dtype="float32", device="cpu")
     assert llm.engine.config.speculative_method.value == "hybrid"
-    assert set(llm.engine.policies) == {MODEL, LOOKUP}, "one adaptive policy per source"
+    assert set(llm.engine.planner.policies) == {MODEL, LOOKUP}, "one adaptive policy per source"
