@@ -96,9 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     common = {"dtype": "float32", "device": "cpu"}
     makers: dict[str, Callable[[], LLM]] = {
         "speculation off": lambda: LLM(target, speculative_method="none", **common),
-        "draft k=4": lambda: LLM(target, draft_model=draft, num_speculative_tokens=4, **common),
-        "draft adaptive": lambda: LLM(target, draft_model=draft, **common),
+        "draft k=4": lambda: LLM(target, draft_model=draft, speculative_method="draft_model",
+                                 num_speculative_tokens=4, **common),
+        "draft adaptive": lambda: LLM(target, draft_model=draft, speculative_method="draft_model", **common),
         "ngram adaptive": lambda: LLM(target, speculative_method="ngram", **common),
+        "hybrid adaptive": lambda: LLM(target, draft_model=draft, speculative_method="hybrid", **common),
     }
     wanted = {c.strip() for c in args.configs.split(",")} | {"speculation off"} if args.configs else set(makers)
     configs = {name: make() for name, make in makers.items() if name in wanted}

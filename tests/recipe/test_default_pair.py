@@ -45,8 +45,8 @@ def tokenizer():
 def test_greedy_speculation_with_the_shipped_pair_equals_the_target_alone_on_held_out_code(tokenizer):
     prompts = held_out_prompts(tokenizer, 4, prompt_tokens=64)
     ref = Reference(DEFAULT_TARGET, eos=tokenizer.eos_token_id)
-    llm = LLM(str(DEFAULT_TARGET), draft_model=str(DEFAULT_DRAFT), num_speculative_tokens=4,
-              dtype="float32", device="cpu")
+    llm = LLM(str(DEFAULT_TARGET), draft_model=str(DEFAULT_DRAFT), speculative_method="draft_model",
+              num_speculative_tokens=4, dtype="float32", device="cpu")
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
     for p, out in zip(prompts, outs):
         assert len(out.token_ids) > 0

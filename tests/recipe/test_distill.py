@@ -63,7 +63,8 @@ def test_distillation_lowers_the_kl_to_the_target(distilled, model_sets, corpus_
 
 def test_a_distilled_draft_drives_lossless_speculation_in_the_engine(distilled, model_sets, tokenizer_dir):
     target = model_sets["llama"].target
-    llm = LLM(str(target), draft_model=str(distilled), num_speculative_tokens=4, dtype="float32", device="cpu")
+    llm = LLM(str(target), draft_model=str(distilled), speculative_method="draft_model", num_speculative_tokens=4,
+              dtype="float32", device="cpu")
     ref = Reference(target)
     prompts = prompts_for(tokenizer_dir)[:4]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
