@@ -118,6 +118,9 @@ class AdaptivePolicy:
         est = self._seq_alpha.get(request_id)
         return est.value(prior) if est is not None else prior
 
+    def _cap(self, k_max: int | None) -> int:
+        return self.k_max if k_max is None else min(k_max, self.k_max)
+
     def _c(self, batch: int, batch_independent: bool) -> float:
         return self._frozen_c if batch_independent and self._frozen_c is not None else self.cost_ratio(batch)
 
@@ -125,12 +128,11 @@ class AdaptivePolicy:
         """Expected tokens per step-cost at the best k, relative to not drafting (1.0); no side effects.
         Lets a caller with two drafters pick the one that promises more."""
         alpha, c = self.alpha(request_id, batch_independent), self._c(batch, batch_independent)
-        k = best_k(alpha, c, self.k_max if k_max is None else min(k_max, self.k_max))
+        k = best_k(alpha, c, self._cap(k_max))
         return expected_tokens(alpha, k) / (1.0 + k * c)
 
     def choose(self, request_id: str, batch: int, batch_independent: bool, k_max: int | None = None) -> int:
-        cap = self.k_max if k_max is None else min(k_max, self.k_max)
-        k = best_k(self.alpha(request_id, batch_independent), self._c(batch, batch_independent), cap)
+        k = best_k(self.alpha(request_id, batch_independent), self._c(batch, batch_independent), self._cap(k_max))
         if k > 0:
             self._idle_steps[request_id] = 0
             return k

@@ -1,7 +1,7 @@
 """Two drafters behind one interface: prompt lookup where the context repeats itself, the draft model
-everywhere else. Which one a sequence uses, and with how many drafts, is the engine's choice per step
-(engine.llm_engine picks the source with the higher expected tokens per second); this class only
-carries it out and keeps the proposals verifiable together.
+everywhere else. Which one a sequence uses, and with how many drafts, is decided per step by
+engine.spec.planner (the source with the higher expected tokens per unit of step cost); this class
+only carries it out and keeps the proposals verifiable together.
 
 Mixing is exact: an n-gram proposal is one-hot, so in a batch that samples, its rows of q are one-hot
 vectors beside the draft model's real distributions, and the verifier's min(1, p/q) test and

@@ -217,3 +217,15 @@ def test_failed_probes_back_off_exponentially_and_an_accepted_probe_resets():
     policy.observe("r", 1, accepted=1)  # a regular observation that accepted: back to the base interval
     nxt = probe_steps(10)
     assert nxt and nxt[0] == 3
+
+
+def test_rate_is_the_expected_tokens_per_step_cost_at_the_best_k_and_has_no_side_effects():
+    policy = make_policy()
+    for _ in range(10):
+        policy.observe("r", 4, 2)
+    alpha, c = policy.alpha("r"), policy.cost_ratio(1)
+    k = best_k(alpha, c, 4)
+    assert policy.rate("r", batch=1, batch_independent=False) == pytest.approx(expected_tokens(alpha, k) / (1 + k * c))
+    assert policy.rate("r", 1, False, k_max=1) == pytest.approx(expected_tokens(alpha, 1) / (1 + c))
+    assert policy.rate("unseen", 1, False) >= 1.0, "k = 0 (rate 1) is always an option"
+    assert policy.choose("r", 1, False, k_max=2) == min(k, 2), "a short lookup match caps k"
