@@ -6,7 +6,7 @@ PORT ?= 8000
 # The CPU wheel of torch already on these machines; a GPU host's image brings its own torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install serve test lint bench default-pair eval-pair constraints clean
+.PHONY: install serve test lint bench compare default-pair eval-pair constraints clean
 
 # The Dockerfile runs the same two pip install commands (tests/docker checks), without -e and [dev].
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -30,6 +30,10 @@ lint: install
 
 bench: install
 	$(PY) benchmarks/bench_engine.py
+
+# specd against transformers serve and generate() on the default pair (~20 min on 2 CPU cores).
+compare: install
+	$(PY) benchmarks/compare.py
 
 # Retrain the embedded pair from a seed (~80 min target + ~25 min draft on 2 CPU cores), then measure it.
 default-pair: install
