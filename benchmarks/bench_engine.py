@@ -20,7 +20,7 @@ reported, because other processes share this machine's CPU.
 
 The bound column is the classic speculative-decoding speedup bound
     bound = E(alpha, k) / (1 + k c),   E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha),
-see engine/spec/adaptive.py. How its inputs are measured:
+see engine/speculative/adaptive.py. How its inputs are measured:
   * c = (one draft forward) / (one target forward), each on 1 new token per sequence at a
     mid-generation context length. For specd rows both forwards are timed directly through the
     engine's own ModelRunner.forward (paged attention and all, the path decoding takes), interleaved,
@@ -28,7 +28,7 @@ see engine/spec/adaptive.py. How its inputs are measured:
     covers k forwards plus the catch-up of the accepted tokens, and its target time covers k + 1
     tokens. At batch 8 the same ratio is taken with 8 sequences in each forward (the per-sequence
     costs of a batched step). For n-gram rows the "draft forward" is one prompt-lookup call
-    (engine.spec.ngram.lookup) per sequence. For the transformers row, c times the two HF models'
+    (engine.speculative.ngram.lookup) per sequence. For the transformers row, c times the two HF models'
     forwards on 1 token with a DynamicCache.
   * alpha in the bound is alpha_geo, the per-token acceptance of the geometric model that reproduces
     the measured mean accepted length at the mean draft length of drafting steps. The engine's

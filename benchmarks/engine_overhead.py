@@ -203,17 +203,10 @@ def report_profile(prof: cProfile.Profile, steps: int, title: str) -> None:
         print(f"| {name} | {1e3 * tt / steps:.2f} | {nc / steps:.1f} |")
 
 
-def draft_runners(drafter: object, depth: int = 3) -> list[ModelRunner]:
-    """Every ModelRunner a drafter holds, also inside wrappers (e.g. a hybrid n-gram + model drafter)."""
-    if drafter is None or depth == 0:
-        return []
-    if isinstance(drafter, ModelRunner):
-        return [drafter]
-    found: list[ModelRunner] = []
-    for value in vars(drafter).values() if hasattr(drafter, "__dict__") else ():
-        if isinstance(value, ModelRunner) or hasattr(value, "propose") or hasattr(value, "runner"):
-            found += [r for r in draft_runners(value, depth - 1) if r not in found]
-    return found
+def draft_runners(engine: object) -> list[ModelRunner]:
+    """The draft model's runner, if the engine drafts with one."""
+    model = getattr(getattr(engine, "drafting", None), "model", None)
+    return [model.runner] if model is not None else []
 
 
 def main() -> None:
@@ -273,12 +266,11 @@ def main() -> None:
                   num_kv_blocks=max(batches) * (256 // 16 + 1), **kw)
         timers = Timers(cuda=llm.engine.device.type == "cuda")
         timers.instrument(llm.engine.target)
-        for runner in draft_runners(llm.engine.drafter):
+        for runner in draft_runners(llm.engine):
             timers.instrument(runner)
         # warm-up: one short request (allocator, first-call paths)
         llm.generate([[5] * 8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-        print(f"[{name}] drafter {type(llm.engine.drafter).__name__}, "
-              f"{len(draft_runners(llm.engine.drafter))} draft runner(s) timed")
+        print(f"[{name}] {len(draft_runners(llm.engine))} draft runner(s) timed")
         print(f"[{name}] loaded + warmed in {time.perf_counter() - t0:.1f}s", flush=True)
         for b in batches:
             prof = f"{name} batch {b}" if args.profile and name == "draft" else None

@@ -21,6 +21,7 @@ from transformers import AttentionInterface
 from engine.kv_cache import PagedKVCache
 
 ATTN_IMPL = "specd_paged"
+METADATA_KWARG = "specd_attn"  # the keyword argument that carries AttentionMetadata through the model
 SHORT_QUERY = 32  # sequences feeding at most this many tokens share one padded attention call
 
 
@@ -172,7 +173,7 @@ def paged_attention_forward(
     v_cache.index_copy_(0, meta.slot_mapping, v_new.to(v_cache.dtype))
     gqa = query.shape[1] != key.shape[1]
     q_all = query[0].transpose(0, 1)  # [T, H, D]
-    out = torch.empty_like(q_all)  # [T, H, D]
+    out = q_all.new_empty(*q_all.shape[:2], value.shape[3])  # [T, H, Dv]
 
     g = meta.short
     if g is not None:
@@ -195,7 +196,7 @@ def paged_attention_forward(
             mask[:, :, :, 0] |= ~g.valid[:, None]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [G, H, Q, D]
         if g.dense:
-            return o.permute(0, 2, 1, 3).reshape(1, G * Q, *q_all.shape[1:]), None  # [1, T, H, D]
+            return o.permute(0, 2, 1, 3).reshape(1, G * Q, *out.shape[1:]), None  # [1, T, H, Dv]
         out[g.rows[g.valid]] = o.permute(0, 2, 1, 3)[g.valid]
     for s in meta.long:
         q = q_all[s.rows].transpose(0, 1)[None]  # [1, H, q, D]
@@ -215,7 +216,7 @@ def paged_attention_forward(
             continue
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [1, H, q, D]
         out[s.rows] = o[0].transpose(0, 1)
-    return out[None], None  # [1, T, H, D], no attention weights
+    return out[None], None  # [1, T, H, Dv], no attention weights
 
 
 def register() -> None:

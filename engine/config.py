@@ -12,7 +12,7 @@ DeviceMap = str | dict[str, int | str]
 
 
 class SpeculativeMethod(enum.Enum):
-    # The draft model, and prompt lookup wherever the context predicts better per second (engine.spec.hybrid).
+    # The draft model, and prompt lookup wherever the context predicts better per second (engine.speculative.hybrid).
     HYBRID = "hybrid"
     DRAFT_MODEL = "draft_model"
     NGRAM = "ngram"
@@ -41,6 +41,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     seed: int = 0
     trust_remote_code: bool = False
+    audit_fraction: float = 0.0  # of finished greedy requests, re-run without speculation and compared
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_method, str):
@@ -67,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0.0 <= self.audit_fraction <= 1.0:
+            raise ValueError(f"audit_fraction must be in [0, 1], got {self.audit_fraction}")
         if self.device_map is not None:
             object.__setattr__(self, "device_map", parse_device_map(self.device_map))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 _REPLACEMENT = "\ufffd"
@@ -18,24 +19,45 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
-    def add(self, token_id: int) -> str:
-        self.ids.append(token_id)
+    def _pending(self) -> tuple[str, str]:
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        return prefix, full
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix, full = self._pending()
         if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return full[len(prefix) :]
         return ""
 
+    def flush(self) -> str:
+        """The text of tokens held back for an incomplete character, as the tokenizer renders them
+        (U+FFFD for the incomplete bytes): at the end there is nothing left to complete it."""
+        prefix, full = self._pending()
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix) :]
+
+
+@dataclass
+class TextState:
+    """One request's output text: the detokenizer, the text so far (a stop string already cut) and
+    how much of it has been handed out in deltas."""
+
+    detok: IncrementalDetokenizer | None = None
+    text: str = ""
+    released: int = 0
+
 
 def find_stop(text: str, stops: tuple[str, ...], new_chars: int) -> tuple[int, str] | None:
-    """Earliest stop string that ends within the last ``new_chars`` characters: (index, stop)."""
-    longest = max(len(s) for s in stops)
-    window_start = max(0, len(text) - new_chars - longest + 1)
+    """Earliest stop string that ends within the last ``new_chars`` characters: (index, stop). Each
+    string gets its own window: an older occurrence of a short one (say, one produced while min_tokens
+    suppressed stops) must not be found through the window a longer one needs."""
     found: tuple[int, str] | None = None
     for s in stops:
-        i = text.find(s, window_start)
+        i = text.find(s, max(0, len(text) - new_chars - len(s) + 1))
         if i != -1 and (found is None or i < found[0]):
             found = (i, s)
     return found

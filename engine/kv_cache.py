@@ -11,7 +11,8 @@ import torch
 @dataclass(frozen=True)
 class LayerShape:
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # of the keys (and queries)
+    v_head_dim: int  # of the values: larger or smaller than the keys' in some attentions (DeepSeek-V2's MLA)
 
 
 class PagedKVCache:
@@ -39,11 +40,11 @@ class PagedKVCache:
         self.devices = devices
         shaped = list(zip(layer_shapes, devices))
         self.k = [torch.zeros(slots, s.num_kv_heads, s.head_dim, dtype=dtype, device=d) for s, d in shaped]
-        self.v = [torch.zeros(slots, s.num_kv_heads, s.head_dim, dtype=dtype, device=d) for s, d in shaped]
+        self.v = [torch.zeros(slots, s.num_kv_heads, s.v_head_dim, dtype=dtype, device=d) for s, d in shaped]
 
     @staticmethod
     def bytes_per_block(layer_shapes: list[LayerShape], block_size: int, dtype: torch.dtype) -> int:
-        per_token = sum(2 * s.num_kv_heads * s.head_dim for s in layer_shapes)
+        per_token = sum(s.num_kv_heads * (s.head_dim + s.v_head_dim) for s in layer_shapes)
         return per_token * block_size * torch.finfo(dtype).bits // 8
 
     def slots(self, block_table: list[int], start: int, end: int) -> list[int]:

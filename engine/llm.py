@@ -33,6 +33,7 @@ class LLM:
         ngram_max: int = 4,
         seed: int = 0,
         trust_remote_code: bool = False,
+        audit_fraction: float = 0.0,
     ) -> None:
         if speculative_method is None:
             speculative_method = SpeculativeMethod.HYBRID if draft_model else SpeculativeMethod.NONE
@@ -54,6 +55,7 @@ class LLM:
                 ngram_max=min(ngram_max, 16),
                 seed=seed,
                 trust_remote_code=trust_remote_code,
+                audit_fraction=audit_fraction,
             )
         )
         self._ids = itertools.count()

@@ -1,4 +1,4 @@
-"""Everything done once at start-up: models, tokenizer checks, KV cache sizing, cost calibration."""
+"""Everything done once at start-up: models, tokenizer checks, KV cache sizing."""
 
 from __future__ import annotations
 
@@ -9,14 +9,8 @@ from typing import Any
 
 from transformers import AutoTokenizer, GenerationConfig
 
-from engine.config import EngineConfig, SpeculativeMethod
-from engine.model_runner import ForwardBatch, ModelRunner
-from engine.rng import RequestRandom
-from engine.spec.adaptive import AdaptivePolicy
-from engine.spec.draft_model import DraftModelDrafter
-from engine.spec.drafter import Drafter
-from engine.spec.hybrid import HybridDrafter
-from engine.spec.ngram import NgramDrafter
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -128,39 +122,3 @@ def load(config: EngineConfig) -> Loaded:
         max_model_len,
     )
     return Loaded(target, draft, tokenizer, eos_token_ids(config.model, target, tokenizer), max_model_len, num_blocks)
-
-
-def make_drafter(config: EngineConfig, loaded: Loaded, rng: RequestRandom) -> Drafter | None:
-    if not config.speculates:
-        return None
-    if config.speculative_method is SpeculativeMethod.NGRAM:
-        return NgramDrafter(config.ngram_max, config.ngram_min)
-    assert loaded.draft is not None
-    model = DraftModelDrafter(loaded.draft, loaded.target.vocab_size, loaded.eos_ids, rng)
-    if config.speculative_method is SpeculativeMethod.HYBRID:
-        return HybridDrafter(model, config.ngram_max, config.ngram_min)
-    return model
-
-
-def calibrate(policy: AdaptivePolicy, loaded: Loaded, draft: ModelRunner | None, k_max: int, block_size: int) -> None:
-    """Seed the cost model with a few timed forwards at start-up, so the first requests already get
-    a sensible k. Writes into blocks nobody owns yet; their contents are garbage-by-design. ``draft``
-    is the runner whose forwards a draft costs, None for prompt lookup."""
-    blocks = list(range(-(-(4 * (k_max + 1)) // block_size)))
-    for runner, cost in ((loaded.target, policy.target_cost), (draft, policy.draft_cost)):
-        if runner is None:
-            continue
-        for n in (1, k_max + 1, 4 * (k_max + 1)):
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                runner.forward(ForwardBatch([[0] * n], [0], [blocks], [1]))
-                runner.synchronize()
-                best = min(best, time.perf_counter() - t0)
-            cost.observe(n, best)
-    if draft is None:
-        # n-gram lookup: a draft costs a Python lookup, not a forward; a small constant will do.
-        policy.draft_cost.observe(1, 2e-5)
-    policy.freeze_reference()
-    logger.info("adaptive k (%s): cost ratio c at batch 1 = %.3f", "draft model" if draft else "lookup",
-                policy.cost_ratio(1))

@@ -11,6 +11,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from engine import attention
 from engine.config import DeviceMap
 from engine.kv_cache import LayerShape, PagedKVCache
+from engine.scheduler import ScheduledSeq
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,17 @@ class ForwardBatch:
     starts: list[int]
     block_tables: list[list[int]]
     logits_rows: list[int]  # per sequence: how many trailing positions need logits (0 = none)
+
+
+def step_batch(scheduled: list[ScheduledSeq], drafts: list[list[int]]) -> ForwardBatch:
+    """The step's one target pass: each sequence's uncomputed tokens plus its drafts. Sequences that
+    reach their last known token get logits for it and every draft position."""
+    feeds, rows = [], []
+    for s, d in zip(scheduled, drafts):
+        seq = s.seq
+        feeds.append(seq.token_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d)
+        rows.append(len(d) + 1 if s.samples else 0)
+    return ForwardBatch(feeds, [s.seq.num_computed for s in scheduled], [s.seq.block_table for s in scheduled], rows)
 
 
 class ModelRunner:
@@ -126,20 +138,30 @@ class ModelRunner:
         problems: set[str] = set()
 
         def record(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN003, ANN202
-            shapes[module.layer_idx] = LayerShape(num_kv_heads=key.shape[1], head_dim=key.shape[3])
+            shapes[module.layer_idx] = LayerShape(key.shape[1], key.shape[3], value.shape[3])
             devices[module.layer_idx] = key.device  # where this layer's attention runs: its cache goes there
+            if kwargs.get(attention.METADATA_KWARG) is not sentinel:
+                problems.add("decoder layers that do not pass keyword arguments on to attention (the paged "
+                             "cache's metadata travels that way)")
             if not getattr(module, "is_causal", True):
                 problems.add("bidirectional (non-causal) attention")
             for name in _UNSUPPORTED_ATTENTION_KWARGS:
                 if kwargs.get(name) is not None:
                     problems.add(f"attention {_UNSUPPORTED_ATTENTION_KWARGS[name]} ({name!r})")
-            return query.transpose(1, 2).contiguous(), None
+            # What the paged attention will return: one value vector per query head.
+            return query.new_zeros(*query.shape[:1], query.shape[2], query.shape[1], value.shape[3]), None
 
+        sentinel = object()
         AttentionInterface.register(_PROBE_IMPL, record)
         self.model.set_attn_implementation(_PROBE_IMPL)
-        with torch.inference_mode():
-            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=False)
         archs = ", ".join(getattr(self.model.config, "architectures", None) or [type(self.model).__name__])
+        try:
+            with torch.inference_mode():
+                self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=False,
+                           **{attention.METADATA_KWARG: sentinel})
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise UnsupportedModelError(f"architecture {archs} failed a one-token forward with specd's attention "
+                                        f"output shape [tokens, heads, value head size]: {exc}") from exc
         if problems:
             raise UnsupportedModelError(f"architecture {archs} uses {', '.join(sorted(problems))}, which specd's "
                                         "paged attention does not implement")
@@ -177,7 +199,9 @@ class ModelRunner:
         # Verify and plain decode steps want every row: no selection (None) instead of a gather of all of them.
         self._keep = None if len(keep) == end else torch.tensor(keep, dtype=torch.long, device=self.device)
         try:
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, specd_attn=meta)
+            out = self.model(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **{attention.METADATA_KWARG: meta}
+            )
         finally:
             self._keep = None
         # A split model's head is on its last device; sampling and the drafter work on the first.

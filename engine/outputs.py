@@ -4,7 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sequence import TokenLogprob
+from engine.sequence import Sequence, TokenLogprob
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One sampling sequence's verified step: the tokens it emits (accepted drafts, then the recovered
+    or bonus token), before any stop condition cuts them, with the target's logprobs where asked."""
+
+    tokens: list[int]
+    num_drafts: int = 0
+    num_accepted: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None  # this sequence alone failed (non-finite logits)
 
 
 @dataclass(frozen=True)
@@ -16,12 +28,28 @@ class RequestOutput:
     new_text: str
     new_logprobs: list[TokenLogprob]
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
     stop_reason: str | int | None
     num_prompt_tokens: int
     num_output_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
+
+    @classmethod
+    def of(cls, seq: Sequence, tokens: list[int], text: str, logprobs: list[TokenLogprob]) -> RequestOutput:
+        return cls(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            new_text=text,
+            new_logprobs=logprobs,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_tokens=seq.num_accepted_tokens,
+        )
 
 
 @dataclass

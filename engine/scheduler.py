@@ -1,13 +1,18 @@
-"""Waiting -> running under a per-step token budget and the KV block budget. No torch."""
+"""Waiting -> running under a per-step token budget and the KV block budget; after the step, append
+the verified tokens, roll back, check stops and free. No torch."""
 
 from __future__ import annotations
 
+import logging
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.outputs import RequestOutput, Verdict
 from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.stop import StopChecker
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # fed from token_ids[num_computed:]
     num_draft_slots: int  # capacity reserved for drafts; the drafter may fill fewer
+    num_catch_up: int = 0  # tokens its draft source processes before drafting (counted in the budget)
 
     @property
     def samples(self) -> bool:
@@ -36,28 +42,31 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens + s.num_draft_slots for s in self.scheduled)
+        return sum(s.num_new_tokens + s.num_draft_slots + s.num_catch_up for s in self.scheduled)
 
 
 class Scheduler:
     """FIFO continuous batching. Running sequences are served first (oldest first); waiting ones
-    join while the token budget, ``max_num_seqs`` and free blocks allow. A long prompt is fed in
-    chunks across steps (chunked prefill is the same operation as decode with more tokens). When
-    blocks run out, the newest running sequence is preempted: its blocks are freed and it is
-    recomputed later, so nothing fails for lack of memory."""
+    join while the token budget, ``max_num_seqs`` and free blocks allow, then background ones (audits)
+    if nothing else waits. A long prompt is fed in chunks across steps (chunked prefill is the same
+    operation as decode with more tokens). When blocks run out, the newest running sequence is
+    preempted: its blocks are freed and it is recomputed later, so nothing fails for lack of memory."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, stop: StopChecker) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.stop = stop
         self.waiting: deque[Sequence] = deque()
+        self.background: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self.stop.start(seq)
+        (self.background if seq.background else self.waiting).append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.background)
 
     def max_useful_drafts(self, seq: Sequence, k: int) -> int:
         """Drafts beyond max_tokens or the context can never be emitted; don't compute them."""
@@ -66,38 +75,46 @@ class Scheduler:
         room_in_output = seq.params.max_tokens - seq.num_output_tokens - 1
         return max(0, min(k, room_in_context, room_in_output))
 
-    def schedule(self, draft_lens: Mapping[str, int]) -> SchedulerOutput:
-        """``draft_lens`` maps request ids of decoding sequences to the drafts wanted this step."""
+    def schedule(self) -> SchedulerOutput:
+        """Decoding sequences ask for ``seq.draft.k`` drafts after ``seq.draft.lag`` tokens of catch-up
+        by their draft source; both count against the token budget, so it bounds a step's real work."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # Running first: they already hold blocks, and finishing them frees memory.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            catch_up = 0
             if seq.is_decoding:
                 new = 1
-                drafts = min(self.max_useful_drafts(seq, draft_lens.get(seq.request_id, 0)), budget - 1)
+                useful = self.max_useful_drafts(seq, seq.draft.k)
+                lag = seq.draft.lag if useful else 0
                 # Drafts are optional: shrink them to the free slots before preempting anyone for them.
                 free_slots = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.block_manager.block_size
-                drafts = max(0, min(drafts, free_slots - seq.num_computed - new))
+                drafts = max(0, min(useful, budget - 1 - lag, free_slots - seq.num_computed - new))
+                # Without room to draft, the source still catches up as far as the budget allows.
+                catch_up = lag if drafts else min(lag, budget - 1)
             else:  # an unfinished chunked prefill
                 new, drafts = min(seq.num_uncomputed, budget), 0
             if not self._make_room(seq, seq.num_computed + new + drafts, out):
                 continue  # seq itself was preempted; self.running shrank, same index is the next one
-            out.scheduled.append(ScheduledSeq(seq, new, drafts))
-            budget -= new + drafts
+            out.scheduled.append(ScheduledSeq(seq, new, drafts, catch_up))
+            budget -= new + drafts + catch_up
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            new = min(seq.num_uncomputed, budget)
-            if not self.block_manager.can_allocate(seq, seq.num_computed + new):
-                break  # waiting requests never preempt running ones
-            self.block_manager.allocate(seq, seq.num_computed + new)
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, new, 0))
-            budget -= new
+        for queue in (self.waiting, self.background):
+            if queue is self.background and self.waiting:
+                break
+            while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = queue[0]
+                new = min(seq.num_uncomputed, budget)
+                if not self.block_manager.can_allocate(seq, seq.num_computed + new):
+                    break  # waiting requests never preempt running ones
+                self.block_manager.allocate(seq, seq.num_computed + new)
+                queue.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append(ScheduledSeq(seq, new, 0))
+                budget -= new
         return out
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
@@ -116,14 +133,61 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        (self.background if seq.background else self.waiting).appendleft(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Mark finished and free every block. Safe to call for waiting or running sequences."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting, self.background):
+            if seq in queue:
+                queue.remove(seq)
+                break
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    # ---- after the forward ----------------------------------------------------------------------
+
+    def update(self, sched: SchedulerOutput, verdicts: list[Verdict | None]) -> list[RequestOutput]:
+        """``verdicts[i]`` is the verified outcome of ``sched.scheduled[i]`` (None where it did not
+        sample). Appends tokens until a stop condition, rolls the caches back by length, frees the
+        finished; returns one delta per sampling sequence."""
+        outputs = []
+        for s, verdict in zip(sched.scheduled, verdicts):
+            seq = s.seq
+            if verdict is None:
+                seq.num_computed += s.num_new_tokens
+                continue
+            if verdict.error is not None:
+                logger.error("request %s failed: %s", seq.request_id, verdict.error)
+                outputs.append(self.fail(seq))
+                continue
+            seq.num_draft_tokens += verdict.num_drafts
+            seq.num_accepted_tokens += verdict.num_accepted
+            try:
+                outputs.append(self._append(seq, verdict))
+            except Exception:  # e.g. the detokenizer on this sequence's text: fail it, not the whole batch
+                logger.exception("request %s failed while appending its tokens", seq.request_id)
+                outputs.append(self.fail(seq))
+        return outputs
+
+    def fail(self, seq: Sequence) -> RequestOutput:
+        """Finish one sequence with finish_reason "error" (its blocks freed); the rest of the batch goes on."""
+        self.finish(seq, FinishReason.ERROR)
+        return RequestOutput.of(seq, [], "", [])
+
+    def _append(self, seq: Sequence, verdict: Verdict) -> RequestOutput:
+        kept = []
+        for token in verdict.tokens:
+            seq.token_ids.append(token)
+            kept.append(token)
+            reason = self.stop.check(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                break
+        # Every kept token but the last was fed this step (the last known token or an accepted draft),
+        # so has valid K/V; K/V written for rejected drafts are forgotten by this length alone.
+        seq.num_computed = seq.num_tokens - 1
+        seq.draft_num_computed = min(seq.draft_num_computed, seq.num_computed)
+        logprobs = verdict.logprobs[: len(kept)]
+        seq.logprobs.extend(logprobs)
+        return RequestOutput.of(seq, kept, self.stop.release(seq), logprobs)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.detokenizer import TextState
 from engine.sampling_params import SamplingParams
+from engine.speculative.state import DraftState
 
 
 class SequenceStatus(enum.Enum):
@@ -30,6 +32,14 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
+@dataclass(frozen=True)
+class AuditCase:
+    """What a losslessness audit re-runs: the request it checks and the tokens that request produced."""
+
+    request_id: str
+    output: tuple[int, ...]
+
+
 @dataclass(eq=False)  # identity, not field-by-field: the scheduler searches lists of these
 class Sequence:
     """Token accounting follows one rule: ``token_ids[:num_computed]`` have valid K/V in the
@@ -40,6 +50,7 @@ class Sequence:
     token_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0
+    key: int = 0  # keys every random draw this request makes (engine.rng)
     num_prompt_tokens: int = 0
     num_computed: int = 0
     draft_num_computed: int = 0  # the draft model's own cache, kept in step with the target's
@@ -51,6 +62,14 @@ class Sequence:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
+    text: TextState = field(default_factory=TextState)
+    draft: DraftState = field(default_factory=DraftState)
+    audit: AuditCase | None = None  # set on an audit's own sequence, which runs in the background
+
+    @property
+    def background(self) -> bool:
+        """Runs only when no client request waits."""
+        return self.audit is not None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.outputs import RequestOutput, Verdict
+    from engine.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,54 @@ class StepStats:
     draft_seconds: float
     target_seconds: float
     step_seconds: float
+    audit_results: tuple[str, ...] = ()  # losslessness audits judged this step: "match", "mismatch", "near_tie"
+
+    @classmethod
+    def of(
+        cls, sched: SchedulerOutput, verdicts: list[Verdict | None], outputs: list[RequestOutput], num_prompt: int,
+        audits: tuple[str, ...], num_running: int, num_waiting: int, kv_usage: float,
+        draft_seconds: float, target_seconds: float, step_seconds: float,
+    ) -> StepStats:
+        drafted = [v for v in verdicts if v is not None and v.num_drafts]
+        pos_counts = [0] * max((v.num_drafts for v in drafted), default=0)
+        for v in drafted:
+            for j in range(v.num_accepted):
+                pos_counts[j] += 1
+        decoding = sum(1 for s, v in zip(sched.scheduled, verdicts) if v is not None and s.num_new_tokens == 1)
+        n_draft_tokens = sum(v.num_drafts for v in drafted)
+        return cls(
+            num_scheduled=len(sched.scheduled),
+            num_prompt_tokens=num_prompt,
+            num_generated_tokens=sum(len(o.new_token_ids) for o in outputs),
+            num_drafts=len(drafted),
+            num_draft_tokens=n_draft_tokens,
+            num_accepted_tokens=sum(v.num_accepted for v in drafted),
+            accepted_per_position=tuple(pos_counts),
+            accepted_lengths=tuple(v.num_accepted + 1 for v in drafted),
+            num_decoding=decoding,
+            mean_k=n_draft_tokens / decoding if decoding else 0.0,
+            num_preempted=len(sched.preempted),
+            num_running=num_running,
+            num_waiting=num_waiting,
+            kv_usage=kv_usage,
+            draft_seconds=draft_seconds,
+            target_seconds=target_seconds,
+            step_seconds=step_seconds,
+            audit_results=audits,
+        )
+
+
+@dataclass
+class AuditStats:
+    """Cumulative losslessness audit results (engine.audit)."""
+
+    match: int = 0
+    mismatch: int = 0
+    near_tie: int = 0
+
+    def add(self, results: Iterable[str]) -> None:
+        for r in results:
+            setattr(self, r, getattr(self, r) + 1)
 
 
 @dataclass

@@ -2,50 +2,38 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer, find_stop, held_back
 from engine.sequence import FinishReason, Sequence
 
 
-@dataclass
-class _TextState:
-    detok: IncrementalDetokenizer | None
-    text: str = ""  # output text so far, stop string already cut
-    released: int = 0  # characters handed out in deltas
-
-
 class StopChecker:
     """EOS (unless ignore_eos), stop token ids, stop strings (matched across token boundaries and
     never emitted), max_tokens and the context limit. Tokens accepted after a stop are discarded,
-    exactly as the target alone would never have produced them."""
+    exactly as the target alone would never have produced them. The text state it keeps lives on
+    each sequence (``seq.text``)."""
 
     def __init__(self, eos_ids: tuple[int, ...], max_model_len: int, tokenizer: Any | None) -> None:
         self.eos_ids = frozenset(eos_ids)
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
-        self._state: dict[str, _TextState] = {}
 
-    def add(self, seq: Sequence) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids) if self.tokenizer is not None else None
-        self._state[seq.request_id] = _TextState(detok)
-
-    def remove(self, request_id: str) -> None:
-        self._state.pop(request_id, None)
+    def start(self, seq: Sequence) -> None:
+        if self.tokenizer is not None:
+            seq.text.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids)
 
     def check(self, seq: Sequence, token: int) -> FinishReason | None:
         """Call after appending ``token``; updates the text and may set ``seq.stop_reason``."""
-        p = seq.params
-        st = self._state[seq.request_id]
-        before = len(st.text)
-        delta = st.detok.add(token) if st.detok is not None else ""
-        st.text += delta
+        p, st = seq.params, seq.text
         may_stop = seq.num_output_tokens > p.min_tokens  # the same rule that bans EOS in the logits
         if may_stop and ((token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids):
-            st.text = st.text[:before]  # the stop token's own text is not part of the output
+            # The stop token's own text is not part of the output; what was pending before it is.
+            st.text += st.detok.flush() if st.detok is not None else ""
             seq.stop_reason = None if token in self.eos_ids and not p.ignore_eos else token
             return FinishReason.STOP
+        delta = st.detok.add(token) if st.detok is not None else ""
+        st.text += delta
         if may_stop and p.stop and delta:
             hit = find_stop(st.text, p.stop, len(delta))
             if hit is not None:
@@ -53,12 +41,13 @@ class StopChecker:
                 seq.stop_reason = hit[1]
                 return FinishReason.STOP
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            st.text += st.detok.flush() if st.detok is not None else ""
             return FinishReason.LENGTH
         return None
 
     def release(self, seq: Sequence) -> str:
         """New text safe to show: all of it once finished, else minus a tail that may become a stop string."""
-        st = self._state[seq.request_id]
+        st = seq.text
         end = len(st.text)
         if not seq.is_finished and seq.params.stop:
             end -= held_back(st.text, seq.params.stop)

@@ -8,7 +8,7 @@ from . import VERIFY_SIZES
 
 
 def expected(alpha: float, k: float) -> float:
-    """E(alpha, k) of engine.spec.adaptive.expected_tokens, for a real-valued (mean) k."""
+    """E(alpha, k) of engine.speculative.adaptive.expected_tokens, for a real-valued (mean) k."""
     return k + 1 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 

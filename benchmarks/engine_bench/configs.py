@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 
 from engine import LLM, SamplingParams, StepStats
 from engine.model_runner import ModelRunner
-from engine.spec.ngram import lookup
+from engine.speculative.ngram import lookup
 
 from . import BATCH, VERIFY_SIZES
 from .timing import engine_forward_fn, hf_forward_fn, interleaved_medians

@@ -58,7 +58,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def bound_for(line: dict, lines: list[dict]) -> dict:
     """The speedup the math allows this speculative run over the non-speculative run of the same
-    prompts and concurrency: E(alpha, k) / (1 + k c) (engine.spec.adaptive's model), where k is the
+    prompts and concurrency: E(alpha, k) / (1 + k c) (engine.speculative.adaptive's model), where k is the
     mean drafts per drafting step, alpha the per-token acceptance fitted to the mean accepted length at
     that k, and c = m / s with s the non-speculative run's target forward per step and m the cost of one
     draft token: drafting time per draft token plus the target's extra time for scoring it (the spec

@@ -74,7 +74,7 @@ def test_a_target_placed_by_an_explicit_device_map_decodes_like_the_unsplit_targ
 
 
 def test_the_attention_layout_is_copied_once_per_other_device_and_keeps_its_shape():
-    cache = PagedKVCache([LayerShape(2, 8)] * 2, num_blocks=12, block_size=4, dtype=torch.float32,
+    cache = PagedKVCache([LayerShape(2, 8, 8)] * 2, num_blocks=12, block_size=4, dtype=torch.float32,
                          device=torch.device("cpu"))
     # Sequence 0 decodes one token (the short group), sequence 1 prefills 40 (a long sequence).
     meta = build_metadata(cache, [[3, 4], list(range(11))], [5, 0], [6, 40], torch.device("cpu"))
@@ -96,11 +96,11 @@ def test_the_attention_layout_is_copied_once_per_other_device_and_keeps_its_shap
 
 def test_a_cache_for_a_split_model_puts_each_layer_on_its_own_device():
     devices = [torch.device("cpu"), torch.device("meta")]
-    cache = PagedKVCache([LayerShape(2, 8), LayerShape(1, 4)], 3, 4, torch.float32, devices)
+    cache = PagedKVCache([LayerShape(2, 8, 8), LayerShape(1, 4, 4)], 3, 4, torch.float32, devices)
     assert [k.device.type for k in cache.k] == [v.device.type for v in cache.v] == ["cpu", "meta"]
     assert cache.k[1].shape == (12, 1, 4)
     with pytest.raises(ValueError, match="1 devices for 2 layers"):
-        PagedKVCache([LayerShape(2, 8)] * 2, 3, 4, torch.float32, devices[:1])
+        PagedKVCache([LayerShape(2, 8, 8)] * 2, 3, 4, torch.float32, devices[:1])
 
 
 @pytest.mark.parametrize(

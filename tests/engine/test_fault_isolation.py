@@ -48,13 +48,14 @@ def test_nan_logits_fail_only_their_own_sequence(llm, ref, tokenizer_dir, monkey
     forward = engine._forward
 
     def nan_for_the_poisoned(scheduled, drafts):
-        logits, rows = forward(scheduled, drafts)
+        logits = forward(scheduled, drafts)
         row = 0
-        for s, r in zip(scheduled, rows):
+        for s, d in zip(scheduled, drafts):
+            r = len(d) + 1 if s.samples else 0
             if r and poisoned(s.seq) and s.seq.num_output_tokens >= 3:  # mid-flight, after a few tokens
                 logits[row : row + r] = float("nan")
             row += r
-        return logits, rows
+        return logits
 
     monkeypatch.setattr(engine, "_forward", nan_for_the_poisoned)
     run_with_one_poisoned(llm, tokenizer_dir, ref)
@@ -67,9 +68,10 @@ def test_positive_infinity_and_all_minus_infinity_rows_fail_too_but_a_masked_tok
     poison_of = {}
 
     def inject(scheduled, drafts):
-        logits, rows = forward(scheduled, drafts)
+        logits = forward(scheduled, drafts)
         row = 0
-        for s, r in zip(scheduled, rows):
+        for s, d in zip(scheduled, drafts):
+            r = len(d) + 1 if s.samples else 0
             if r and poisoned(s.seq):
                 if s.seq.request_id not in poison_of:
                     poison_of[s.seq.request_id] = next(kinds)
@@ -81,7 +83,7 @@ def test_positive_infinity_and_all_minus_infinity_rows_fail_too_but_a_masked_tok
                 else:
                     logits[row : row + r, 300] = float("-inf")  # a padding row of the vocabulary, masked
             row += r
-        return logits, rows
+        return logits
 
     monkeypatch.setattr(engine, "_forward", inject)
     prompts = [POISON + [i] for i in (10, 11, 12)]
@@ -93,14 +95,14 @@ def test_positive_infinity_and_all_minus_infinity_rows_fail_too_but_a_masked_tok
 
 def test_a_detokenizer_error_fails_only_its_own_sequence(llm, ref, tokenizer_dir, monkeypatch):
     engine = llm.engine
-    check = engine.stop.check
+    check = engine.scheduler.stop.check
 
     def failing_check(seq, token):
         if poisoned(seq) and seq.num_output_tokens >= 2:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
         return check(seq, token)
 
-    monkeypatch.setattr(engine.stop, "check", failing_check)
+    monkeypatch.setattr(engine.scheduler.stop, "check", failing_check)
     run_with_one_poisoned(llm, tokenizer_dir, ref)
 
 
@@ -116,8 +118,9 @@ def test_the_library_rejects_a_prompt_that_could_never_fit_the_kv_cache(llm, mon
     assert len(out[0].token_ids) == 10 and small.usage == 0
 
 
-def test_finite_logits_pass_through_without_a_copy(llm):
-    engine = llm.engine
+def test_finite_logits_pass_through_without_a_copy(llm, monkeypatch):
+    verifier, seen = llm.engine.verifier, []
+    monkeypatch.setattr(verifier, "_verify", lambda seqs, drafts, probs, logits: seen.append(logits) or [])
     logits = torch.randn(5, 320)
-    keep, same, failed = engine._drop_non_finite([], {}, logits)
-    assert same is logits and failed == [] and keep == []
+    verifier([None], [[0, 1, 2, 3]], None, logits)  # one sequence with four drafts: five rows
+    assert seen[0] is logits

@@ -52,7 +52,7 @@ def test_rejected_drafts_roll_back_and_the_cache_equals_a_fresh_prefill(arch, mo
     for seq in engine.scheduler.running:
         assert seq.num_computed == seq.num_tokens - 1
         _cache_matches_fresh_prefill(engine.target, ms.target, seq, seq.num_computed)
-        _cache_matches_fresh_prefill(engine.drafter.runner, ms.draft, seq, seq.draft_num_computed)
+        _cache_matches_fresh_prefill(engine.drafting.model.runner, ms.draft, seq, seq.draft_num_computed)
     for rid in list(engine.seqs):
         engine.abort(rid)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -236,4 +236,4 @@ def test_draft_timings_do_not_pile_up_with_a_fixed_k(model_sets, tokenizer_dir):
     llm = llm_for(model_sets["llama"], k=4)
     llm.generate(prompts_for(tokenizer_dir), SamplingParams(max_tokens=24, temperature=0.0))
     assert llm.stats().num_draft_tokens > 0
-    assert llm.engine.drafter.forward_times == []
+    assert llm.engine.drafting.model.drain_costs() == []

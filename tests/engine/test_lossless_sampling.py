@@ -16,6 +16,7 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import LLM, SamplingParams
+from engine.speculative.source import Proposal
 
 V = 8
 PROMPT = [1, 2, 3, 1, 2]
@@ -79,12 +80,14 @@ def exact_joint(model_dir: Path, **params) -> np.ndarray:
     return joint
 
 
-def engine_samples(llm: LLM, **params) -> np.ndarray:
-    """N sampled continuations (4 tokens, so positions 2 and 3 come out of draft verification)."""
-    sp = SamplingParams(max_tokens=4, ignore_eos=True, **params)
+def engine_samples(llm: LLM, seeded: bool = False, **params) -> np.ndarray:
+    """N sampled continuations (4 tokens, so positions 2 and 3 come out of draft verification). Seeded:
+    every request has its own seed, so each is verified by the shared-noise choice instead of rejection."""
     counts = np.zeros((V, V, V))
-    for _ in range(N // 2000):
-        for out in llm.generate([PROMPT] * 2000, sp):
+    for batch in range(N // 2000):
+        plist = [SamplingParams(max_tokens=4, ignore_eos=True, seed=batch * 2000 + i if seeded else None, **params)
+                 for i in range(2000)]
+        for out in llm.generate([PROMPT] * 2000, plist):
             a, b, c = out.token_ids[:3]
             counts[a, b, c] += 1
     return counts
@@ -94,28 +97,29 @@ def route_half_to_lookup(llm: LLM) -> None:
     """This tiny vocabulary's 2-gram matches are too rare to mix sources often, so half the requests
     get a fixed "lookup" proposal: verification must be exact for any one-hot proposal, likely or not,
     next to the draft model's real distributions in the same step."""
-    drafter = llm.engine.drafter
-    match = drafter.match
+    lookup = llm.engine.drafting.lookup
+    propose = lookup.propose
 
-    def forced(seq, k, n_min=None):  # noqa: ANN001, ANN202
-        if int(seq.request_id.rsplit("-", 1)[-1]) % 2:  # LLM.generate names requests gen-N
-            drafter._matches[seq.request_id] = [2, 0, 2][:k]
-            return drafter._matches[seq.request_id]
-        return match(seq, k, n_min)
+    def forced(requests):  # noqa: ANN001, ANN202
+        (r,) = requests  # the planner asks for one sequence at a time
+        if int(r.seq.request_id.rsplit("-", 1)[-1]) % 2:  # LLM.generate names requests gen-N
+            return Proposal([[2, 0, 2][: r.max_drafts]], None)
+        return propose(requests)
 
-    drafter.match = forced
+    lookup.propose = forced
 
 
 def record_mixed_batches(llm: LLM) -> list[int]:
     """Counts the draft steps whose batch holds both lookup and draft-model proposals."""
-    drafter, mixed = llm.engine.drafter, [0]
-    propose = drafter.propose
+    drafting, mixed = llm.engine.drafting, [0]
+    propose = drafting.propose
 
-    def spy(requests):  # noqa: ANN001, ANN202
-        mixed[0] += len({r.lookup for r in requests}) == 2
-        return propose(requests)
+    def spy(scheduled, vocab):  # noqa: ANN001, ANN202
+        drafts = propose(scheduled, vocab)
+        mixed[0] += len({s.seq.draft.source for s, t in zip(scheduled, drafts.tokens) if t}) == 2
+        return drafts
 
-    drafter.propose = spy
+    drafting.propose = spy
     return mixed
 
 
@@ -132,9 +136,10 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "seeded"])
 @pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("method", ["draft_model", "ngram", "hybrid"])
-def test_sampled_tokens_follow_the_target_distribution(method, setting, pair):
+def test_sampled_tokens_follow_the_target_distribution(method, setting, seeded, pair):
     target, draft = pair
     params = SETTINGS[setting]
     llm = LLM(
@@ -145,14 +150,15 @@ def test_sampled_tokens_follow_the_target_distribution(method, setting, pair):
     mixed = record_mixed_batches(llm)
     if method == "hybrid":
         route_half_to_lookup(llm)
-    counts = engine_samples(llm, **params)
+    counts = engine_samples(llm, seeded, **params)
     if method == "hybrid":
         assert mixed[0] > 0, "no step mixed lookup and draft-model proposals"
     stats = llm.stats()
     # Both the accept and the reject paths must have run, or the test proves little.
     assert 0.05 < stats.acceptance_rate < 0.95, f"acceptance {stats.acceptance_rate:.2f}: q too close to or far from p"
     p = chi_square_p(counts, exact_joint(target, **params))
-    assert p > 1e-3, f"{method}/{setting}: chi-square p-value {p:.2e}: samples are not distributed as the target"
+    label = f"{method}/{setting}/{'seeded' if seeded else 'rejection'}"
+    assert p > 1e-3, f"{label}: chi-square p-value {p:.2e}: samples are not distributed as the target"
 
 
 def test_chi_square_detects_the_drafts_own_distribution(pair):

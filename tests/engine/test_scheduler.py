@@ -12,11 +12,20 @@ from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.stop import StopChecker
 
 
 def make_scheduler(max_num_seqs=8, budget=64, max_model_len=256, num_blocks=64, block_size=4):
     bm = BlockManager(num_blocks=num_blocks, block_size=block_size)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), bm), bm
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), bm, StopChecker((), max_model_len, None)), bm
+
+
+def schedule(sched, draft_lens, lags=None):
+    """Set the drafts each sequence wants (and its source's catch-up) as Drafting.plan does, then schedule."""
+    for seq in sched.running:
+        seq.draft.k = draft_lens.get(seq.request_id, 0)
+        seq.draft.lag = (lags or {}).get(seq.request_id, 0)
+    return sched.schedule()
 
 
 def make_seq(rid, prompt_len, max_tokens=64):
@@ -58,17 +67,17 @@ def test_waiting_sequences_are_admitted_in_fifo_order_up_to_max_num_seqs():
     a, b, c = make_seq("a", 3), make_seq("b", 3), make_seq("c", 3)
     for s in (a, b, c):
         sched.add(s)
-    out = sched.schedule({})
+    out = schedule(sched, {})
     assert plan(out) == [("a", 3, 0), ("b", 3, 0)]
     assert ids(sched.running) == ["a", "b"]
     assert ids(sched.waiting) == ["c"]
     assert a.status is SequenceStatus.RUNNING and c.status is SequenceStatus.WAITING
     apply_step(out)
-    out = sched.schedule({})
+    out = schedule(sched, {})
     assert ids(s.seq for s in out.scheduled) == ["a", "b"]  # c still waits: the batch is full
     apply_step(out)
     sched.finish(a, FinishReason.STOP)
-    out = sched.schedule({})
+    out = schedule(sched, {})
     assert plan(out) == [("b", 1, 0), ("c", 3, 0)]
 
 
@@ -77,14 +86,14 @@ def test_token_budget_chunks_the_prompt_that_crosses_it_and_stops_admission():
     a, b, c = make_seq("a", 6), make_seq("b", 8), make_seq("c", 2)
     for s in (a, b, c):
         sched.add(s)
-    out = sched.schedule({})
+    out = schedule(sched, {})
     assert plan(out) == [("a", 6, 0), ("b", 4, 0)]
     assert out.num_tokens == 10
     assert [s.samples for s in out.scheduled] == [True, False]
     assert ids(sched.waiting) == ["c"]
     apply_step(out)
     assert b.num_computed == 4
-    out = sched.schedule({})
+    out = schedule(sched, {})
     # Running first (a decodes, b finishes its prompt), then c joins with what is left.
     assert plan(out) == [("a", 1, 0), ("b", 4, 0), ("c", 2, 0)]
     assert all(s.samples for s in out.scheduled)
@@ -96,7 +105,7 @@ def test_long_prompt_is_prefilled_in_chunks_and_samples_only_on_the_last_chunk()
     sched.add(seq)
     chunks = []
     for _ in range(4):
-        out = sched.schedule({})
+        out = schedule(sched, {})
         (s,) = out.scheduled
         chunks.append((s.num_new_tokens, s.samples, seq.num_computed))
         # Slots exist for everything fed this step.
@@ -110,10 +119,10 @@ def test_prefill_chunk_shares_the_budget_with_decoding_sequences():
     sched, _ = make_scheduler(budget=8)
     a = make_seq("a", 2)
     sched.add(a)
-    apply_step(sched.schedule({}))
+    apply_step(schedule(sched, {}))
     b = make_seq("b", 20)
     sched.add(b)
-    out = sched.schedule({"a": 3})
+    out = schedule(sched, {"a": 3})
     assert plan(out) == [("a", 1, 3), ("b", 4, 0)]
     assert out.num_tokens == 8
 
@@ -125,9 +134,9 @@ def test_decoding_sequence_gets_one_token_plus_its_drafts_with_slots_reserved():
     sched, bm = make_scheduler(block_size=4)
     seq = make_seq("a", 4)
     sched.add(seq)
-    apply_step(sched.schedule({}))
+    apply_step(schedule(sched, {}))
     assert seq.is_decoding
-    out = sched.schedule({"a": 3})
+    out = schedule(sched, {"a": 3})
     assert plan(out) == [("a", 1, 3)]
     assert out.scheduled[0].samples
     assert out.num_tokens == 4
@@ -139,8 +148,8 @@ def test_decoding_sequence_without_a_draft_request_gets_no_drafts():
     a, b = make_seq("a", 3), make_seq("b", 3)
     sched.add(a)
     sched.add(b)
-    apply_step(sched.schedule({}))
-    out = sched.schedule({"a": 2})
+    apply_step(schedule(sched, {}))
+    out = schedule(sched, {"a": 2})
     assert plan(out) == [("a", 1, 2), ("b", 1, 0)]
 
 
@@ -148,8 +157,8 @@ def test_drafts_are_cut_to_the_remaining_token_budget():
     sched, _ = make_scheduler(budget=3)
     seq = make_seq("a", 2)
     sched.add(seq)
-    apply_step(sched.schedule({}))
-    out = sched.schedule({"a": 5})
+    apply_step(schedule(sched, {}))
+    out = schedule(sched, {"a": 5})
     assert plan(out) == [("a", 1, 2)]
 
 
@@ -157,11 +166,11 @@ def test_drafts_are_capped_so_no_draft_goes_past_max_tokens():
     sched, _ = make_scheduler()
     seq = make_seq("a", 3, max_tokens=5)
     sched.add(seq)
-    apply_step(sched.schedule({}))
+    apply_step(schedule(sched, {}))
     assert seq.num_output_tokens == 1
     # 4 more tokens may be emitted: 3 drafts plus the bonus token.
     assert sched.max_useful_drafts(seq, 8) == 3
-    out = sched.schedule({"a": 8})
+    out = schedule(sched, {"a": 8})
     assert plan(out) == [("a", 1, 3)]
     apply_step(out, accepted={"a": 1})
     assert seq.num_output_tokens == 3
@@ -194,8 +203,8 @@ def test_finish_frees_every_block_of_a_running_sequence():
     a, b = make_seq("a", 9), make_seq("b", 3)
     sched.add(a)
     sched.add(b)
-    apply_step(sched.schedule({}))
-    out = sched.schedule({"a": 4})
+    apply_step(schedule(sched, {}))
+    out = schedule(sched, {"a": 4})
     apply_step(out)
     assert bm.num_free_blocks < 8
     sched.finish(a, FinishReason.STOP)
@@ -211,10 +220,10 @@ def test_finish_removes_a_waiting_sequence_and_a_preempted_one():
     a, b = make_seq("a", 4), make_seq("b", 4)
     sched.add(a)
     sched.add(b)
-    apply_step(sched.schedule({}))
+    apply_step(schedule(sched, {}))
     c = make_seq("c", 4)
     sched.add(c)
-    out = sched.schedule({})
+    out = schedule(sched, {})
     assert out.preempted == [b]
     sched.finish(c, FinishReason.ABORT)
     sched.finish(b, FinishReason.ABORT)
@@ -225,7 +234,7 @@ def test_finish_removes_a_waiting_sequence_and_a_preempted_one():
     sched.finish(a, FinishReason.ABORT)
     assert bm.num_free_blocks == 2
     # Nothing finished comes back.
-    assert sched.schedule({}).scheduled == []
+    assert schedule(sched, {}).scheduled == []
     assert not sched.has_unfinished()
 
 
@@ -242,7 +251,7 @@ def test_random_workload_keeps_every_invariant_and_finishes_everything():
         if not sched.has_unfinished() and not pending:
             break
         lens = {s.request_id: rng.randint(0, 3) for s in sched.running if s.is_decoding}
-        out = sched.schedule(lens)
+        out = schedule(sched, lens)
         preemptions += len(out.preempted)
         assert out.num_tokens <= cfg["budget"]
         assert len(sched.running) <= cfg["max_num_seqs"]

@@ -22,7 +22,7 @@ def tok(tmp_path_factory):
 def start(tok, max_model_len=1000, prompt=PROMPT, **params):
     checker = StopChecker((EOS,), max_model_len, tok)
     seq = Sequence(request_id="r", token_ids=tok.encode(prompt), params=SamplingParams(**params))
-    checker.add(seq)
+    checker.start(seq)
     return checker, seq
 
 
@@ -199,8 +199,8 @@ def test_checker_without_tokenizer_still_handles_eos_and_length():
     checker = StopChecker((EOS,), 1000, None)
     a = Sequence("a", [5, 6, 7], SamplingParams(max_tokens=3))
     b = Sequence("b", [5, 6, 7], SamplingParams(max_tokens=3))
-    checker.add(a)
-    checker.add(b)
+    checker.start(a)
+    checker.start(b)
     assert feed(checker, a, [9, 9, 9, 9]) == ([None, None, FinishReason.LENGTH], ["", "", ""])
     assert feed(checker, b, [9, EOS, 9])[0] == [None, FinishReason.STOP]
 

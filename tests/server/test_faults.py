@@ -34,26 +34,27 @@ def inject_nan(engine, monkeypatch) -> None:
     forward = engine._forward
 
     def nan_for_the_poisoned(scheduled, drafts):
-        logits, rows = forward(scheduled, drafts)
+        logits = forward(scheduled, drafts)
         row = 0
-        for s, r in zip(scheduled, rows):
+        for s, d in zip(scheduled, drafts):
+            r = len(d) + 1 if s.samples else 0
             if r and poisoned(s.seq) and s.seq.num_output_tokens >= 3:
                 logits[row : row + r] = float("nan")
             row += r
-        return logits, rows
+        return logits
 
     monkeypatch.setattr(engine, "_forward", nan_for_the_poisoned)
 
 
 def inject_detokenizer_error(engine, monkeypatch) -> None:
-    check = engine.stop.check
+    check = engine.scheduler.stop.check
 
     def failing(seq, token):
         if poisoned(seq) and seq.num_output_tokens >= 3:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte in /secret/path.py")
         return check(seq, token)
 
-    monkeypatch.setattr(engine.stop, "check", failing)
+    monkeypatch.setattr(engine.scheduler.stop, "check", failing)
 
 
 async def traffic(live, good: list[list[int]]):

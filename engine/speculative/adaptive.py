@@ -79,25 +79,33 @@ class AcceptanceEstimate:
         return (self.hits + prior * prior_weight) / (self.trials + prior_weight)
 
 
+@dataclass
+class SourceTrack:
+    """One sequence's history with one draft source, kept on the sequence (``seq.draft``)."""
+
+    alpha: AcceptanceEstimate | None = None  # None until the source has drafted for it
+    idle_steps: int = 0
+    probe_interval: int | None = None  # set once a probe accepted nothing
+    probing: bool = False
+
+
 class AdaptivePolicy:
     """Per-sequence k from that sequence's acceptance and the measured costs of this batch size.
     A sequence that stopped speculating probes with one draft every ``probe_interval`` steps, so a
     drafter that starts to agree (a repetitive stretch, a smaller batch) is noticed again. Each
     probe that accepts nothing doubles that sequence's interval (up to ``max_probe_interval``), so a
-    drafter that is simply useless costs almost nothing; any accepted probe resets it."""
+    drafter that is simply useless costs almost nothing; any accepted probe resets it.
+
+    The policy holds what is shared (costs, the global acceptance); what belongs to one sequence is
+    its ``SourceTrack``, passed in, so a finished request leaves nothing behind here."""
 
     def __init__(self, k_max: int, probe_interval: int = 16, max_probe_interval: int = 256) -> None:
         self.k_max = k_max
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
-        self._interval: dict[str, int] = {}  # per sequence, once a probe has failed
-        self._probing: set[str] = set()
         self.target_cost = LinearCost()
         self.draft_cost = LinearCost()
         self.global_alpha = AcceptanceEstimate(decay=0.98)
-        self._seq_alpha: dict[str, AcceptanceEstimate] = {}
-        self._idle_steps: dict[str, int] = {}
-        self._frozen_c: float | None = None
 
     def cost_ratio(self, batch: int) -> float:
         """c = m / s for a batch of ``batch`` decoding sequences (see the module docstring)."""
@@ -106,59 +114,41 @@ class AdaptivePolicy:
         m = b_t + self.draft_cost(batch) / batch
         return m / s if s > 0 else float("inf")
 
-    def freeze_reference(self) -> None:
-        """Fix the batch-1 cost ratio measured at start-up. Seeded sampled requests use it instead of
-        the live, batch-dependent ratio, so what shares their batch cannot change their k, and with
-        it the random numbers they consume."""
-        self._frozen_c = self.cost_ratio(1)
-
-    def alpha(self, request_id: str, batch_independent: bool = False) -> float:
-        # The global estimate mixes in other requests, so batch-independent choices use a fixed prior.
-        prior = 0.5 if batch_independent else self.global_alpha.value(prior=0.5)
-        est = self._seq_alpha.get(request_id)
-        return est.value(prior) if est is not None else prior
+    def alpha(self, track: SourceTrack) -> float:
+        prior = self.global_alpha.value(prior=0.5)
+        return track.alpha.value(prior) if track.alpha is not None else prior
 
     def _cap(self, k_max: int | None) -> int:
         return self.k_max if k_max is None else min(k_max, self.k_max)
 
-    def _c(self, batch: int, batch_independent: bool) -> float:
-        return self._frozen_c if batch_independent and self._frozen_c is not None else self.cost_ratio(batch)
-
-    def rate(self, request_id: str, batch: int, batch_independent: bool, k_max: int | None = None) -> float:
+    def rate(self, track: SourceTrack, batch: int, k_max: int | None = None) -> float:
         """Expected tokens per step-cost at the best k, relative to not drafting (1.0); no side effects.
-        Lets a caller with two drafters pick the one that promises more."""
-        alpha, c = self.alpha(request_id, batch_independent), self._c(batch, batch_independent)
+        Lets a caller with two sources pick the one that promises more."""
+        alpha, c = self.alpha(track), self.cost_ratio(batch)
         k = best_k(alpha, c, self._cap(k_max))
         return expected_tokens(alpha, k) / (1.0 + k * c)
 
-    def choose(self, request_id: str, batch: int, batch_independent: bool, k_max: int | None = None) -> int:
-        k = best_k(self.alpha(request_id, batch_independent), self._c(batch, batch_independent), self._cap(k_max))
+    def choose(self, track: SourceTrack, batch: int, k_max: int | None = None) -> int:
+        k = best_k(self.alpha(track), self.cost_ratio(batch), self._cap(k_max))
         if k > 0:
-            self._idle_steps[request_id] = 0
+            track.idle_steps = 0
             return k
-        idle = self._idle_steps.get(request_id, 0) + 1
-        if idle >= self._interval.get(request_id, self.probe_interval):
-            idle = 0
-            k = 1
-            self._probing.add(request_id)
-        self._idle_steps[request_id] = idle
-        return k
+        track.idle_steps += 1
+        if track.idle_steps >= (track.probe_interval or self.probe_interval):
+            track.idle_steps = 0
+            track.probing = True
+            return 1
+        return 0
 
-    def observe(self, request_id: str, k: int, accepted: int) -> None:
+    def observe(self, track: SourceTrack, k: int, accepted: int) -> None:
         if k <= 0:
             return
-        self._seq_alpha.setdefault(request_id, AcceptanceEstimate()).observe(k, accepted)
+        if track.alpha is None:
+            track.alpha = AcceptanceEstimate()
+        track.alpha.observe(k, accepted)
         self.global_alpha.observe(k, accepted)
-        probed = request_id in self._probing
-        self._probing.discard(request_id)
+        probed, track.probing = track.probing, False
         if accepted:
-            self._interval.pop(request_id, None)
+            track.probe_interval = None
         elif probed:
-            current = self._interval.get(request_id, self.probe_interval)
-            self._interval[request_id] = min(2 * current, self.max_probe_interval)
-
-    def forget(self, request_id: str) -> None:
-        self._seq_alpha.pop(request_id, None)
-        self._idle_steps.pop(request_id, None)
-        self._interval.pop(request_id, None)
-        self._probing.discard(request_id)
+            track.probe_interval = min(2 * (track.probe_interval or self.probe_interval), self.max_probe_interval)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from engine.spec.drafter import DraftRequest, Proposal
+from engine.sequence import Sequence
+from engine.speculative.source import DraftRequest, Proposal
 
 
 def lookup(tokens: list[int], n_max: int, n_min: int, k: int) -> list[int]:
@@ -22,15 +23,24 @@ def lookup(tokens: list[int], n_max: int, n_min: int, k: int) -> list[int]:
     return []
 
 
-class NgramDrafter:
-    """No model and no distribution: proposals are one-hot, which the verifier handles exactly."""
+class LookupSource:
+    """No model, no cache and no distribution: proposals are one-hot, which the verifier handles
+    exactly, and cost a Python lookup, so the planner may ask for them before deciding anything."""
+
+    name = "lookup"
 
     def __init__(self, n_max: int, n_min: int) -> None:
         self.n_max = n_max
         self.n_min = n_min
+
+    def lag(self, seq: Sequence) -> int:
+        return 0
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         return Proposal(
             tokens=[lookup(r.seq.token_ids, self.n_max, self.n_min, r.max_drafts) for r in requests],
             probs=None,
         )
+
+    def drain_costs(self) -> list[tuple[int, float]]:
+        return []

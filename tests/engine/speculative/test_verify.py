@@ -1,4 +1,4 @@
-"""Lossless verification: pure-tensor tests of verify and verify_greedy on CPU."""
+"""Lossless verification: pure-tensor tests of the rules in engine.speculative.verify on CPU."""
 
 from __future__ import annotations
 
@@ -6,9 +6,25 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
-from engine.spec.verify import verify, verify_greedy
+from engine.sampling import sample_from
+from engine.speculative.verify import accepted_prefix, emitted, final_distribution
 
 V = 5
+
+
+def verify(target_probs, choice, draft_tokens, draft_probs, num_drafts, deterministic, uniforms, noise):
+    """The three rules composed as the verifier composes them, with one noise row per sequence."""
+    num_acc = accepted_prefix(target_probs, choice, draft_tokens, draft_probs, num_drafts, deterministic, uniforms)
+    dist = final_distribution(target_probs, draft_tokens, draft_probs, num_acc, num_drafts)
+    B = draft_tokens.shape[0]
+    final = torch.where(deterministic, choice[torch.arange(B), num_acc], sample_from(dist, noise))
+    return num_acc, emitted(draft_tokens, num_acc, final)
+
+
+def verify_greedy(choice, draft_tokens, num_drafts):
+    """An all-deterministic batch: no distributions, and the choice row is what is emitted."""
+    deterministic = torch.ones(draft_tokens.shape[0], dtype=torch.bool)
+    return accepted_prefix(None, choice, draft_tokens, None, num_drafts, deterministic, None), choice
 
 
 def one_hot(token, v=V):

@@ -1,11 +1,11 @@
-"""Prompt lookup: engine.spec.ngram.lookup and the drafter around it."""
+"""Prompt lookup: engine.speculative.ngram.lookup and the drafter around it."""
 
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from engine.spec.drafter import DraftRequest
-from engine.spec.ngram import NgramDrafter, lookup
+from engine.speculative.ngram import LookupSource, lookup
+from engine.speculative.source import DraftRequest
 
 
 def test_longest_matching_n_is_tried_first():
@@ -54,10 +54,10 @@ def test_n_max_longer_than_the_tokens_still_finds_shorter_matches():
     assert lookup([3, 4, 3], n_max=10, n_min=1, k=2) == [4, 3]
 
 
-def test_ngram_drafter_proposes_one_hot_tokens_within_each_request_budget():
+def test_lookup_source_proposes_one_hot_tokens_within_each_request_budget():
     params = SamplingParams()
     a = Sequence("a", [1, 2, 3, 4, 1, 2], params)
     b = Sequence("b", [9, 8, 7], params)
-    proposal = NgramDrafter(n_max=3, n_min=1).propose([DraftRequest(a, 2), DraftRequest(b, 4)])
+    proposal = LookupSource(n_max=3, n_min=1).propose([DraftRequest(a, 2), DraftRequest(b, 4)])
     assert proposal.probs is None
     assert proposal.tokens == [[3, 4], []]

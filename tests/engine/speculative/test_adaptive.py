@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from engine.spec.adaptive import AcceptanceEstimate, AdaptivePolicy, LinearCost, best_k, expected_tokens
+from engine.speculative.adaptive import (
+    AcceptanceEstimate,
+    AdaptivePolicy,
+    LinearCost,
+    SourceTrack,
+    best_k,
+    expected_tokens,
+)
 
 ALPHAS = [0.0, 0.1, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99]
 COSTS = [0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 2.0]
@@ -138,65 +145,52 @@ def test_cost_ratio_is_marginal_draft_cost_over_the_per_sequence_step_cost():
 
 
 def test_policy_speculates_when_drafts_are_cheap_and_often_accepted():
+    r = SourceTrack()
     policy = make_policy()
     for _ in range(10):
-        policy.observe("r", 4, 4)
-    assert policy.choose("r", batch=1, batch_independent=False) == 4
+        policy.observe(r, 4, 4)
+    assert policy.choose(r, batch=1) == 4
 
 
 def test_policy_probes_with_one_draft_every_probe_interval_once_k_settled_to_zero():
+    r = SourceTrack()
     policy = make_policy(probe_interval=4)
-    assert policy.choose("r", batch=1, batch_independent=False) > 0
+    assert policy.choose(r, batch=1) > 0
     for _ in range(10):
-        policy.observe("r", 4, 0)  # nothing is ever accepted
-    ks = [policy.choose("r", batch=1, batch_independent=False) for _ in range(12)]
+        policy.observe(r, 4, 0)  # nothing is ever accepted
+    ks = [policy.choose(r, batch=1) for _ in range(12)]
     assert ks == [0, 0, 0, 1] * 3
 
 
 def test_probe_that_succeeds_brings_speculation_back():
+    r = SourceTrack()
     policy = make_policy(probe_interval=4)
     for _ in range(10):
-        policy.observe("r", 4, 0)
-    assert policy.choose("r", 1, False) == 0
+        policy.observe(r, 4, 0)
+    assert policy.choose(r, 1) == 0
     for _ in range(10):
-        policy.observe("r", 1, 1)  # the drafter started to agree
-    assert policy.choose("r", 1, False) > 0
+        policy.observe(r, 1, 1)  # the drafter started to agree
+    assert policy.choose(r, 1) > 0
 
 
 def test_untrained_policy_does_not_speculate_but_still_probes():
+    x = SourceTrack()
     policy = AdaptivePolicy(k_max=4, probe_interval=3)
-    assert [policy.choose("x", 1, False) for _ in range(6)] == [0, 0, 1, 0, 0, 1]
+    assert [policy.choose(x, 1) for _ in range(6)] == [0, 0, 1, 0, 0, 1]
 
 
 def test_observing_zero_drafts_changes_nothing():
+    r = SourceTrack()
     policy = make_policy()
-    before = policy.alpha("r")
-    policy.observe("r", 0, 0)
-    assert policy.alpha("r") == before
+    before = policy.alpha(r)
+    policy.observe(r, 0, 0)
+    assert policy.alpha(r) == before
     assert policy.global_alpha.trials == 0
 
 
-def test_forget_resets_a_request_to_the_prior():
-    policy = make_policy()
-    for _ in range(10):
-        policy.observe("r", 4, 0)
-    low = policy.alpha("r")
-    policy.forget("r")
-    assert policy.alpha("r") > low
-    assert policy.alpha("r") == policy.alpha("never-seen")
-
-
-def test_frozen_reference_makes_seeded_choices_independent_of_batch_size():
-    policy = make_policy()
-    policy.freeze_reference()
-    seeded = {b: policy.choose("s", batch=b, batch_independent=True) for b in (1, 8, 64)}
-    assert len(set(seeded.values())) == 1 and seeded[1] > 0
-    # Without the frozen reference, a large batch makes drafts too dear.
-    assert policy.choose("u", batch=64, batch_independent=False) < seeded[1]
-
-
 def test_failed_probes_back_off_exponentially_and_an_accepted_probe_resets():
-    from engine.spec.adaptive import AdaptivePolicy
+    from engine.speculative.adaptive import AdaptivePolicy
+    r = SourceTrack()
 
     policy = AdaptivePolicy(k_max=4, probe_interval=4, max_probe_interval=16)
     policy.target_cost.observe(1, 1.0)
@@ -205,27 +199,36 @@ def test_failed_probes_back_off_exponentially_and_an_accepted_probe_resets():
     def probe_steps(n):
         steps = []
         for i in range(n):
-            k = policy.choose("r", batch=1, batch_independent=False)
+            k = policy.choose(r, batch=1)
             if k:
                 steps.append(i)
-                policy.observe("r", k, accepted=0)
+                policy.observe(r, k, accepted=0)
         return steps
 
     steps = probe_steps(60)
     gaps = [b - a for a, b in zip(steps, steps[1:])]
     assert steps[0] == 3 and gaps[:3] == [8, 16, 16]  # 4, then doubled to 8, 16, capped at 16
-    policy.observe("r", 1, accepted=1)  # a regular observation that accepted: back to the base interval
+    policy.observe(r, 1, accepted=1)  # a regular observation that accepted: back to the base interval
     nxt = probe_steps(10)
     assert nxt and nxt[0] == 3
 
 
 def test_rate_is_the_expected_tokens_per_step_cost_at_the_best_k_and_has_no_side_effects():
+    r = SourceTrack()
     policy = make_policy()
     for _ in range(10):
-        policy.observe("r", 4, 2)
-    alpha, c = policy.alpha("r"), policy.cost_ratio(1)
+        policy.observe(r, 4, 2)
+    alpha, c = policy.alpha(r), policy.cost_ratio(1)
     k = best_k(alpha, c, 4)
-    assert policy.rate("r", batch=1, batch_independent=False) == pytest.approx(expected_tokens(alpha, k) / (1 + k * c))
-    assert policy.rate("r", 1, False, k_max=1) == pytest.approx(expected_tokens(alpha, 1) / (1 + c))
-    assert policy.rate("unseen", 1, False) >= 1.0, "k = 0 (rate 1) is always an option"
-    assert policy.choose("r", 1, False, k_max=2) == min(k, 2), "a short lookup match caps k"
+    assert policy.rate(r, batch=1) == pytest.approx(expected_tokens(alpha, k) / (1 + k * c))
+    assert policy.rate(r, 1, k_max=1) == pytest.approx(expected_tokens(alpha, 1) / (1 + c))
+    assert policy.rate(SourceTrack(), 1) >= 1.0, "k = 0 (rate 1) is always an option"
+    assert policy.choose(r, 1, k_max=2) == min(k, 2), "a short lookup match caps k"
+
+
+def test_a_finished_requests_history_leaves_with_its_track():
+    policy = make_policy()
+    r = SourceTrack()
+    for _ in range(10):
+        policy.observe(r, 4, 0)
+    assert policy.alpha(r) < policy.alpha(SourceTrack()), "a fresh track starts at the prior"

@@ -1,0 +1,35 @@
+"""Seed an adaptive policy's cost model with a few timed forwards at start-up, so the first requests
+already get a sensible k."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from engine.model_runner import ForwardBatch, ModelRunner
+from engine.speculative.adaptive import AdaptivePolicy
+
+logger = logging.getLogger(__name__)
+
+
+def calibrate(policy: AdaptivePolicy, target: ModelRunner, draft: ModelRunner | None, block_size: int) -> None:
+    """Writes into blocks nobody owns yet; their contents are garbage-by-design. ``draft`` is the
+    runner whose forwards a draft costs, None for prompt lookup."""
+    k_max = policy.k_max
+    blocks = list(range(-(-(4 * (k_max + 1)) // block_size)))
+    for runner, cost in ((target, policy.target_cost), (draft, policy.draft_cost)):
+        if runner is None:
+            continue
+        for n in (1, k_max + 1, 4 * (k_max + 1)):
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                runner.forward(ForwardBatch([[0] * n], [0], [blocks], [1]))
+                runner.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            cost.observe(n, best)
+    if draft is None:
+        # n-gram lookup: a draft costs a Python lookup, not a forward; a small constant will do.
+        policy.draft_cost.observe(1, 2e-5)
+    logger.info("adaptive k (%s): cost ratio c at batch 1 = %.3f", "draft model" if draft else "lookup",
+                policy.cost_ratio(1))

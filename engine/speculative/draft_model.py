@@ -1,0 +1,102 @@
+"""A smaller model of the same family proposes k tokens autoregressively from its own paged cache."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine import rng
+from engine.model_runner import ForwardBatch, ModelRunner
+from engine.sampling import probs_from_logits, process_logits, row_spec, sample_from
+from engine.sequence import Sequence
+from engine.speculative.source import DraftRequest, Proposal
+
+
+class DraftModelSource:
+    """The draft cache uses the target's block tables (same block size and block count), so the
+    scheduler's allocation covers both. ``seq.draft_num_computed`` says how much of it is valid;
+    after verification it is lowered to the accepted length, which is the whole rollback. Tokens the
+    draft has not seen (after a preemption or lookup steps) are its lag, caught up before drafting."""
+
+    name = "model"
+
+    def __init__(self, runner: ModelRunner, target_vocab: int, eos_ids: tuple[int, ...]) -> None:
+        self.runner = runner
+        self.vocab = target_vocab
+        self.eos_ids = eos_ids
+        self._forward_times: list[tuple[int, float]] = []
+
+    def lag(self, seq: Sequence) -> int:
+        return seq.num_tokens - 1 - seq.draft_num_computed
+
+    def drain_costs(self) -> list[tuple[int, float]]:
+        times, self._forward_times = self._forward_times, []
+        return times
+
+    def _logits(self, batch: ForwardBatch) -> torch.Tensor:
+        t0 = time.perf_counter()
+        logits = self.runner.forward(batch)  # [n, V_draft]
+        V_d = logits.shape[-1]
+        # Vocabularies that differ only by padding rows: cut or pad the draft's to the target's,
+        # giving padding tokens zero draft probability.
+        if V_d > self.vocab:
+            logits = logits[:, : self.vocab]
+        elif V_d < self.vocab:
+            logits = torch.nn.functional.pad(logits, (0, self.vocab - V_d), value=float("-inf"))
+        self.runner.synchronize()
+        self._forward_times.append((sum(len(t) for t in batch.token_ids), time.perf_counter() - t0))
+        return logits
+
+    def _pick(
+        self, logits: torch.Tensor, reqs: list[DraftRequest], drafted: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's next draft, and q where verification needs it. logits [a, V] -> (tokens [a], q [a, V] | None)."""
+        specs = [row_spec(r.seq, d, self.eos_ids) for r, d in zip(reqs, drafted)]
+        logits = process_logits(logits, specs)
+        picked = logits.argmax(-1)  # [a]
+        if all(r.seq.params.greedy for r in reqs):
+            return picked, None
+        q = probs_from_logits(logits, [s.params for s in specs])  # [a, V]
+        dev = q.device
+        keys = torch.tensor([r.seq.key for r in reqs], device=dev)  # [a]
+        positions = torch.tensor([r.seq.num_tokens + len(d) for r, d in zip(reqs, drafted)], device=dev)  # [a]
+        purposes = torch.tensor([rng.draft_purpose(r.seq.params.seed is not None) for r in reqs], device=dev)
+        noise = rng.exponentials(keys, positions, purposes, self.vocab)  # [a, V]
+        greedy = torch.tensor([r.seq.params.greedy for r in reqs], device=dev)
+        return torch.where(greedy, picked, sample_from(q, noise)), q
+
+    def propose(self, requests: list[DraftRequest]) -> Proposal:
+        n = len(requests)
+        K = max(r.max_drafts for r in requests)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        # Only an unseeded sampled row is verified against q (seeded and greedy ones by tokens alone).
+        needs_q = [not r.seq.params.greedy and r.seq.params.seed is None for r in requests]
+        probs = torch.zeros(n, K, self.vocab, device=self.runner.device) if any(needs_q) else None  # [n, K, V]
+        active = list(range(n))
+        for j in range(max(K, 1)):  # K == 0: a catch-up alone
+            feeds, starts = [], []
+            for i in active:
+                seq = requests[i].seq
+                if j == 0:  # catch up on (part of) what the draft has not seen, then predict
+                    end = seq.draft_num_computed + requests[i].catch_up + (1 if requests[i].max_drafts else 0)
+                    feeds.append(seq.token_ids[seq.draft_num_computed : end])
+                    starts.append(seq.draft_num_computed)
+                else:
+                    feeds.append(tokens[i][-1:])
+                    starts.append(seq.num_tokens + j - 1)
+            rows = [1 if requests[i].max_drafts else 0 for i in active]
+            logits = self._logits(ForwardBatch(feeds, starts, [requests[i].seq.block_table for i in active], rows))
+            for row, i in enumerate(active):
+                requests[i].seq.draft_num_computed = starts[row] + len(feeds[row])
+            drafting = [i for i in active if requests[i].max_drafts]
+            if drafting:
+                picked_t, q = self._pick(logits, [requests[i] for i in drafting], [tokens[i] for i in drafting])
+                if probs is not None and q is not None:
+                    probs[drafting, j] = q
+                for i, t in zip(drafting, picked_t.tolist()):
+                    tokens[i].append(t)
+            active = [i for i in drafting if requests[i].max_drafts > j + 1]
+            if not active:
+                break
+        return Proposal(tokens=tokens, probs=probs)

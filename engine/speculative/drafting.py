@@ -1,0 +1,154 @@
+"""Per step and per decoding sequence: where its drafts come from and how many; then the drafts
+themselves; then what the step taught about each source.
+
+Sources sit behind one Protocol (engine.speculative.source). With two, prompt lookup (free: it is
+asked for its proposal while planning) and the draft model, each sequence drafts from the one that
+promises more tokens per unit of step cost, each source with its own adaptive policy (their costs and
+acceptance differ). Mixing is exact: a lookup's proposal is one-hot, so where a batch needs q, its
+rows are one-hot vectors beside the draft model's real distributions, and verification holds row by row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, SpeculativeMethod
+from engine.model_runner import ModelRunner
+from engine.outputs import Verdict
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
+from engine.speculative.adaptive import AdaptivePolicy
+from engine.speculative.calibrate import calibrate
+from engine.speculative.draft_model import DraftModelSource
+from engine.speculative.ngram import LookupSource
+from engine.speculative.source import DraftRequest, DraftSource
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """One step's drafts, aligned with the scheduled sequences."""
+
+    tokens: list[list[int]]
+    probs: torch.Tensor | None  # [S, K, V] q rows where verification needs them (see Proposal)
+
+
+class Drafting:
+    def __init__(self, config: EngineConfig, model: DraftSource | None, lookup: DraftSource | None,
+                 policies: dict[str, AdaptivePolicy]) -> None:
+        self.config = config
+        self.model = model
+        self.lookup = lookup
+        self.policies = policies  # one per source; empty at a fixed k
+
+    @property
+    def policy(self) -> AdaptivePolicy | None:
+        """The draft model's adaptive policy (the lookup's without a draft model), None at a fixed k."""
+        return next(iter(self.policies.values()), None)
+
+    def plan(self, decoding: list[Sequence]) -> None:
+        """Sets each decoding sequence's ``seq.draft`` source, k and lag for this step."""
+        for seq in decoding:
+            d = seq.draft
+            d.source, d.k, d.lag, d.lookup = None, 0, 0, []
+            source, k = self._route(seq, len(decoding))
+            if source is not None:  # with k = 0 too: a lookup shadowing the model still learns from the step
+                d.source, d.k, d.lag = source.name, k, source.lag(seq)
+
+    def _route(self, seq: Sequence, batch: int) -> tuple[DraftSource | None, int]:
+        k = seq.params.num_speculative_tokens
+        if k is None:
+            k = self.config.num_speculative_tokens
+        if k == 0:
+            return None, 0
+        d = seq.draft
+        if self.lookup is not None:
+            d.lookup = self.lookup.propose([DraftRequest(seq, k or self.config.k_max)]).tokens[0]
+        if k is not None:  # a fixed k: the lookup wherever it matched (the hybrid's needs n >= 2), else the model
+            if d.lookup or self.model is None:
+                return self.lookup, min(k, len(d.lookup))
+            return self.model, k
+        lookup, model = self.policies.get("lookup"), self.policies.get("model")
+        if model is None:
+            assert lookup is not None
+            return self.lookup, lookup.choose(d.track("lookup"), batch, len(d.lookup))
+        # Adaptive hybrid: the lookup competes where it matched; each source's own history decides.
+        if lookup is not None and d.lookup and (
+            lookup.rate(d.track("lookup"), batch, len(d.lookup)) >= model.rate(d.track("model"), batch)
+        ):
+            return self.lookup, lookup.choose(d.track("lookup"), batch, len(d.lookup))
+        return self.model, model.choose(d.track("model"), batch)
+
+    def propose(self, scheduled: list[ScheduledSeq], vocab: int) -> Drafts:
+        tokens: list[list[int]] = [[] for _ in scheduled]
+        asked, at = [], []
+        for i, s in enumerate(scheduled):
+            d = s.seq.draft
+            if d.source == "lookup":
+                tokens[i] = d.lookup[: s.num_draft_slots]
+            elif d.source == "model" and (s.num_draft_slots or s.num_catch_up):
+                asked.append(DraftRequest(s.seq, s.num_draft_slots, s.num_catch_up))
+                at.append(i)
+        if not asked:
+            return Drafts(tokens, None)
+        assert self.model is not None
+        proposal = self.model.propose(asked)
+        for i, t in zip(at, proposal.tokens):
+            tokens[i] = t
+        if proposal.probs is None:
+            return Drafts(tokens, None)
+        K = max(map(len, tokens))
+        probs = proposal.probs.new_zeros(len(scheduled), K, vocab)  # [S, K, V]
+        probs[at, : proposal.probs.shape[1]] = proposal.probs
+        for i, s in enumerate(scheduled):
+            if s.seq.draft.source == "lookup" and tokens[i]:
+                n = len(tokens[i])
+                probs[i, torch.arange(n), torch.tensor(tokens[i], device=probs.device)] = 1.0  # one-hot q
+        return Drafts(tokens, probs)
+
+    def observe(self, scheduled: list[ScheduledSeq], verdicts: list[Verdict | None], num_fed: int,
+                target_seconds: float) -> None:
+        """Costs of this step's forwards, and each sequence's outcome, into the adaptive policies."""
+        # The draft model's forward times are drained every step, policy or not.
+        draft_times = self.model.drain_costs() if self.model is not None else []
+        for policy in self.policies.values():
+            policy.target_cost.observe(num_fed, target_seconds)
+        if "model" in self.policies:
+            for n, secs in draft_times:
+                self.policies["model"].draft_cost.observe(n, secs)
+        for s, v in zip(scheduled, verdicts):
+            d = s.seq.draft
+            if v is None or v.error is not None or d.source is None:
+                continue
+            if d.source == "model" and d.lookup and "lookup" in self.policies:
+                # The lookup's proposal scored against what the step emitted: free acceptance evidence
+                # (greedy: exactly what it would have had), censored at the emitted length.
+                seen = d.lookup[: len(v.tokens)]
+                agreed = next((i for i, (a, b) in enumerate(zip(seen, v.tokens)) if a != b), len(seen))
+                self.policies["lookup"].observe(d.track("lookup"), len(seen), agreed)
+            policy = self.policies.get(d.source)
+            if policy is not None and v.num_drafts:
+                policy.observe(d.track(d.source), v.num_drafts, v.num_accepted)
+
+
+def make_drafting(config: EngineConfig, target: ModelRunner, draft: ModelRunner | None,
+                  eos_ids: tuple[int, ...]) -> Drafting | None:
+    if not config.speculates:
+        return None
+    method = config.speculative_method
+    model = DraftModelSource(draft, target.vocab_size, eos_ids) if draft is not None else None
+    lookup = None
+    if config.uses_lookup:
+        # At a fixed k the hybrid has no rates to compare: the lookup takes the step on a suffix match of
+        # two or more tokens (a lone token recurs nearly everywhere, and its guesses rarely hold).
+        strict = method is SpeculativeMethod.HYBRID and config.num_speculative_tokens is not None
+        lookup = LookupSource(config.ngram_max, max(2, config.ngram_min) if strict else config.ngram_min)
+    policies = {}
+    if config.num_speculative_tokens is None:
+        for source, runner in (("model", draft), ("lookup", None)):
+            if (source == "model" and model is None) or (source == "lookup" and lookup is None):
+                continue
+            policies[source] = AdaptivePolicy(config.k_max)
+            calibrate(policies[source], target, runner, config.block_size)
+    return Drafting(config, model, lookup, policies)

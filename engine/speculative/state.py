@@ -1,0 +1,22 @@
+"""What drafting knows about one request, kept on its Sequence so that finishing it is one removal."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.speculative.adaptive import SourceTrack
+
+
+@dataclass
+class DraftState:
+    """This step's plan (set by ``Drafting.plan``, read by the scheduler and ``Drafting.propose``)
+    and the request's acceptance history per source."""
+
+    source: str | None = None  # where this step's drafts come from; None: no drafts
+    k: int = 0  # drafts wanted this step
+    lag: int = 0  # tokens the source must process before it can draft (a draft model's catch-up)
+    lookup: list[int] = field(default_factory=list)  # the lookup's proposal: the drafts, or a shadow
+    tracks: dict[str, SourceTrack] = field(default_factory=dict)
+
+    def track(self, source: str) -> SourceTrack:
+        return self.tracks.setdefault(source, SourceTrack())
