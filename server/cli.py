@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, help=f"seconds to drain on SIGTERM (default {d.shutdown_timeout})")
     s.add_argument("--seed", type=int, help=f"engine seed for unseeded sampling (default {d.seed})")
     s.add_argument(
+        "--audit-fraction", type=float,
+        help="fraction of finished greedy requests re-run without speculation, at the lowest priority, and "
+        f"compared (specd:spec_decode_audit_total; default {d.audit_fraction})",
+    )
+    s.add_argument(
         "--trust-remote-code", action="store_true",
         help="run Python code shipped with the model directory (off by default; a warning is logged when on)",
     )

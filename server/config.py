@@ -60,6 +60,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     seed: int = 0
     trust_remote_code: bool = False
+    audit_fraction: float = 0.0  # of finished greedy requests, re-run without speculation and compared
     log_level: str = "info"
     log_stats_interval: float = 10.0  # seconds between stats log lines while busy; 0 turns them off
     log_requests: bool = False  # one line per request: ids, token counts, timings (never text)
@@ -157,6 +158,7 @@ class ServerConfig:
             kv_cache_memory_gb=self.kv_cache_memory_gb,
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
+            audit_fraction=self.audit_fraction,
         )
 
 

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engine import RequestOutput, StepStats
+from engine.audit import AuditResult
 from server.count_histogram import CountHistogram
 from server.step_window import StepWindow
 
@@ -81,6 +82,12 @@ class Metrics:
         # Tokens and requests, from what the HTTP handlers delivered.
         self.prompt_tokens = counter("specd:prompt_tokens", "Prompt tokens of requests, counted once per request.")
         self.generation_tokens = counter("specd:generation_tokens", "Generated tokens delivered to requests.")
+        audit = Counter(
+            "specd:spec_decode_audit", "Finished greedy requests re-run without speculation (--audit-fraction): "
+            "match, mismatch, or near_tie (diverged where the target's top-2 logits were within 1e-4).",
+            [*m, "result"], registry=r,
+        )
+        self.audit = {r.value: audit.labels(name, r.value) for r in AuditResult}
         self._success_family = Counter(
             "specd:request_success", "Engine requests (choices) finished, by finish_reason.",
             [*m, "finish_reason"], registry=r,
@@ -142,6 +149,8 @@ class Metrics:
                     per_pos.append(self._per_pos_family.labels(self.model_name, str(i)))
                 per_pos[i].inc(n)  # zeros too: a position drafted but never accepted exports 0
             self.accepted_length.observe_many(step.accepted_lengths)
+        for result in step.audit_results:
+            self.audit[result].inc()
         self.running.set(step.num_running)
         self.waiting.set(step.num_waiting)
         self.kv_usage.set(step.kv_usage)

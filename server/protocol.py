@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 def _none(v: object) -> bool:
@@ -46,6 +46,14 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     num_speculative_tokens: int | None = Field(None, ge=0, le=16)  # 0 turns speculation off for this request
     return_token_ids: bool = False  # add prompt_token_ids and token_ids to each choice
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # OpenAI and vLLM refuse it too: without a stream there is nothing for the options to shape.
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
 
 
 class CompletionRequest(SamplingFields):

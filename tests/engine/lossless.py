@@ -68,3 +68,34 @@ def assert_equal_unless_near_tie(
 def assert_same_as_target(ref: Reference, prompt: list[int], got: list[int], label: str) -> None:
     """Identical to transformers' greedy generate on the target alone, near-ties aside."""
     assert_equal_unless_near_tie(ref, prompt, got, ref.greedy(prompt), label)
+
+
+@torch.inference_mode()
+def sampled_top2_gap(ref: Reference, ids: list[int], seed: int, temperature: float, top_p: float) -> float:
+    """Gap between the best two scores log p(i) - log E(i) of a seeded request's draw after ``ids``:
+    its token is their argmax (engine.speculative.verify), so below NEAR_TIE float rounding may flip it."""
+    from engine import rng
+    from engine.sampling import probs_from_logits
+    from engine.sampling_params import SamplingParams
+
+    logits = ref.model(torch.tensor([ids])).logits[0, -1:].float()  # [1, V]
+    probs = probs_from_logits(logits, [SamplingParams(temperature=temperature, top_p=top_p)])  # [1, V]
+    key = torch.tensor([rng.request_key(seed, None)])  # type: ignore[arg-type]
+    noise = rng.exponentials(key, torch.tensor([len(ids)]), rng.Purpose.SAMPLE, probs.shape[-1])  # [1, V]
+    top = (probs.log() - noise.log())[0].topk(2).values
+    return float(top[0] - top[1])
+
+
+def assert_same_sample_unless_near_tie(
+    ref: Reference, prompt: list[int], got: list[int], want: list[int], seed: int, temperature: float,
+    top_p: float, label: str,
+) -> None:
+    """A seeded request's tokens equal, except at a genuine near-tie of its keyed draw."""
+    if got == want:
+        return
+    j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    assert j < min(len(got), len(want)), f"{label}: lengths differ with equal prefixes: got {got}, want {want}"
+    gap = sampled_top2_gap(ref, prompt + want[:j], seed, temperature, top_p)
+    assert gap < NEAR_TIE, (
+        f"{label}: diverged at output position {j}, not a near-tie ({gap:.3g})\n got  {got}\n want {want}"
+    )

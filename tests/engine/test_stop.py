@@ -112,6 +112,20 @@ def test_min_tokens_defers_stop_strings(tok):
     assert "".join(deltas) == "return fib(n"
 
 
+def test_a_short_stop_string_suppressed_by_min_tokens_does_not_fire_later_beside_a_long_one(tok):
+    # "et" completes at the 2nd token, while min_tokens suppresses stops. The long stop string's window
+    # reaches back over it at every later token; only stops ending in the new text may fire.
+    checker, seq = start(tok, stop=["et", "@@@@ long stop @@@@"], min_tokens=3)
+    reasons, deltas = feed(checker, seq, tok.encode(TEXT))
+    assert set(reasons) == {None} and seq.stop_reason is None
+    assert "".join(deltas) == TEXT
+
+
+def test_find_stop_gives_each_stop_string_its_own_window():
+    assert find_stop("xxYYabc", ("YY", "@@@@ long @@@@"), 1) is None  # "YY" ended before the new "c"
+    assert find_stop("xxYYabc", ("YY", "abc"), 1) == (4, "abc")
+
+
 def test_held_back_counts_the_longest_stop_prefix_at_the_end():
     assert held_back("abc", ("cd",)) == 1
     assert held_back("abc", ("bcd", "cd")) == 2
@@ -248,3 +262,24 @@ def test_stop_checker_deltas_never_split_multibyte_characters(tok):
     assert reasons[-1] is FinishReason.LENGTH
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text
+
+
+# ---- the end of the text ------------------------------------------------------------------------
+
+
+def partial_character_ids(tok) -> list[int]:
+    """Tokens for two whole CJK characters, then the first byte of a third: no clean end."""
+    whole, third = tok.encode("敼本"), tok.encode("書")
+    assert tok.decode(third[:1]).endswith("\ufffd"), "the third character must start with a byte token of its own"
+    return whole + third[:1]
+
+
+@pytest.mark.parametrize("reason", ["length", "eos"])
+def test_a_finish_inside_an_incomplete_character_flushes_what_the_tokenizer_renders(tok, reason):
+    ids = partial_character_ids(tok)
+    tail = [EOS] if reason == "eos" else []
+    checker, seq = start(tok, max_tokens=len(ids) + len(tail))
+    reasons, deltas = feed(checker, seq, ids + tail)
+    assert reasons[-1] is (FinishReason.LENGTH if reason == "length" else FinishReason.STOP)
+    text = "".join(deltas)
+    assert text == tok.decode(ids) and text.startswith("敼本"), "complete characters are never lost"

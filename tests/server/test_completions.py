@@ -3,7 +3,9 @@ logprobs, token-id prompts, seeds, usage."""
 
 from __future__ import annotations
 
+import openai
 import pytest
+from transformers import PreTrainedTokenizerFast
 
 from tests.server.conftest import MODEL
 
@@ -185,3 +187,30 @@ def test_models_health_and_metrics(server):
     assert server.metric("specd:generation_tokens_total", model_name=MODEL) == before + 8
     assert server.metric("specd:spec_decode_num_draft_tokens_total", model_name=MODEL) > drafted
     assert server.metric("specd:request_success_total", model_name=MODEL, finish_reason="length") >= 1
+
+
+def test_stream_options_without_stream_is_refused_by_name(server):
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().completions.create(
+            prompt=PROMPT, max_tokens=2, stream_options={"include_usage": True}, **GREEDY
+        )
+    assert info.value.body["param"] == "stream_options"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_completion_ending_inside_an_incomplete_character_keeps_its_text(server, tokenizer_dir, stream):
+    """A byte that starts a three-byte character, forced three times: the text is what the tokenizer
+    renders for those ids (replacement characters), not an empty string."""
+    tok = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    lead = tok.encode("書")[0]
+    assert tok.decode([lead]).endswith("\ufffd")
+    kw = dict(prompt=PROMPT, max_tokens=3, logit_bias={str(lead): 100}, return_token_ids=True, **GREEDY)
+    if stream:
+        texts, finish, chunks = streamed(server.client(), **kw)
+        text = texts[0]
+        ids = [t for c in chunks for ch in c.choices for t in (ch.model_extra or {}).get("token_ids") or []]
+    else:
+        choice = complete(server.client(), **kw).choices[0]
+        text, ids = choice.text, choice.model_extra["token_ids"]
+    assert ids == [lead] * 3
+    assert text == tok.decode(ids) and text

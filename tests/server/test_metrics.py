@@ -375,3 +375,14 @@ def test_engine_never_imports_prometheus_or_the_server():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_losslessness_audit_is_counted_by_result(make_server, model_sets):
+    ms = model_sets["llama"]
+    live = make_server(engine=tiny_engine(ms.target, ms.draft, k=4, audit_fraction=1.0), draft_model=str(ms.draft))
+    live.client().completions.create(prompt="def fib(n):", max_tokens=20, **GREEDY)
+    live.wait_until(lambda: Scrape.of(live).value("specd:spec_decode_audit_total", model_name=MODEL, result="match")
+                    == 1, what="the audit of the one request")
+    scrape = Scrape.of(live)
+    assert set(scrape.by("specd:spec_decode_audit_total", "result")) == {"match", "mismatch", "near_tie"}
+    assert scrape.value("specd:spec_decode_audit_total", model_name=MODEL, result="mismatch") == 0

@@ -66,6 +66,8 @@ COMPLETION_CASES = [
     ({"prompt": "x", "max_tokens": -5}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 10**30}, "max_tokens"),
     ({"prompt": "x", "stream": "maybe"}, "stream"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": ["def", ""]}, "prompt"),
     ({"prompt": [[]]}, "prompt"),
     ({"prompt": [[5], []]}, "prompt"),
@@ -93,6 +95,7 @@ CHAT_CASES = [
     ({"messages": USER, "temperature": 2.5}, "temperature"),
     ({"messages": USER, "logit_bias": {"99999": 1}}, "logit_bias"),
     ({"messages": [{"role": "user"}], "seed": 2**65}, "seed"),
+    ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
 ]
 
 
