@@ -81,7 +81,7 @@ class LLM:
         try:
             for ids, p in zip(prepared, plist):
                 rid = f"gen-{next(self._ids)}"
-                engine.add_request(rid, ids, p)  # may refuse one that can never fit the KV cache
+                engine.add_prepared(rid, ids, p)  # may refuse one that can never fit the KV cache
                 results[rid] = CompletionOutput(rid, ids)
                 order.append(rid)
                 pending.add(rid)

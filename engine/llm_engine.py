@@ -92,9 +92,12 @@ class LLMEngine:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams) -> None:
+        self.add_prepared(request_id, self.prepare(prompt, params), params)
+
+    def add_prepared(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        """Queue token ids that ``prepare`` already checked (a front end validates once, before queueing)."""
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.prepare(prompt, params)
         need = len(ids) + params.max_tokens
         if need > self.kv_capacity_tokens:
             # It would wait (or be preempted) forever: refuse it now.
@@ -103,7 +106,7 @@ class LLMEngine:
                 f"whole KV cache holds ({self.kv_capacity_tokens} tokens)"
             )
         key = rng.request_key(params.seed, self._keys)
-        self._add(Sequence(request_id, ids, params, arrival_time=time.monotonic(), key=key))
+        self._add(Sequence(request_id, list(ids), params, arrival_time=time.monotonic(), key=key))
 
     def _add(self, seq: Sequence) -> None:
         self.seqs[seq.request_id] = seq

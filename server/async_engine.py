@@ -63,7 +63,7 @@ class RequestObserver(Protocol):
 @dataclass(frozen=True)
 class EngineRequest:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # checked by LLMEngine.prepare on the event loop
     params: SamplingParams
 
 
@@ -277,7 +277,7 @@ class AsyncEngine:
                     for r in adds:
                         queued_at = self._queued_at.pop(r.request_id, time.monotonic())
                         try:
-                            engine.add_request(r.request_id, r.prompt_token_ids, r.params)
+                            engine.add_prepared(r.request_id, r.prompt_token_ids, r.params)
                         except Exception as exc:  # already validated by prepare(); fail the request, not the loop
                             logger.error("request %s refused by the engine: %s", r.request_id, exc)
                             self._post(self._reject, r.request_id, exc)
