@@ -55,6 +55,9 @@ class ForwardBatch:
     starts: list[int]
     block_tables: list[list[int]]
     logits_rows: list[int]  # per sequence: how many trailing positions need logits (0 = none)
+    # The tokens as a [T] tensor already on the device (a draft loop's previous output): token_ids then
+    # only say how many tokens each sequence feeds, and nothing is copied from the host.
+    input_ids: torch.Tensor | None = None
 
 
 def step_batch(scheduled: list[ScheduledSeq], drafts: list[list[int]]) -> ForwardBatch:
@@ -189,8 +192,11 @@ class ModelRunner:
         assert self.cache is not None, "allocate_cache() first"
         ends = [s + len(t) for s, t in zip(batch.starts, batch.token_ids)]
         meta = attention.build_metadata(self.cache, batch.block_tables, batch.starts, ends, self.device)
-        flat = [t for toks in batch.token_ids for t in toks]
-        input_ids = torch.tensor([flat], dtype=torch.long, device=self.device)  # [1, T]
+        if batch.input_ids is not None:
+            input_ids = batch.input_ids.view(1, -1)  # [1, T]
+        else:
+            flat = [t for toks in batch.token_ids for t in toks]
+            input_ids = torch.tensor([flat], dtype=torch.long, device=self.device)  # [1, T]
         position_ids = meta.positions[None]  # [1, T]
         keep, end = [], 0
         for toks, r in zip(batch.token_ids, batch.logits_rows):

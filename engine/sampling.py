@@ -24,27 +24,32 @@ class RowSpec:
 
 def process_logits(logits: torch.Tensor, rows: list[RowSpec]) -> torch.Tensor:
     """Penalties, logit_bias and the min_tokens ban: everything that changes the target's own
-    preferences. logits [R, V] float32 -> [R, V] (new tensor only when something applies)."""
+    preferences, each one scatter over the whole step. logits [R, V] float32 -> [R, V] (a new tensor
+    only when something applies)."""
     R, V = logits.shape
+    dev = logits.device
     if any(r.params.uses_penalties for r in rows):
         # OpenAI: logit -= frequency * count + presence * (count > 0), over generated tokens.
-        counts = torch.zeros(R, V, device=logits.device)  # [R, V]
-        for i, r in enumerate(rows):
-            if r.params.uses_penalties and r.output_tokens:
-                idx = torch.tensor(list(r.output_tokens), device=logits.device)
-                counts[i].index_add_(0, idx.clamp_(max=V - 1), torch.ones_like(idx, dtype=counts.dtype))
+        row_of = [i for i, r in enumerate(rows) if r.params.uses_penalties for _ in r.output_tokens]
+        token = [min(t, V - 1) for r in rows if r.params.uses_penalties for t in r.output_tokens]
+        counts = torch.zeros(R, V, device=dev)  # [R, V]
+        if row_of:
+            index = (torch.tensor(row_of, device=dev), torch.tensor(token, device=dev))
+            counts.index_put_(index, torch.ones(len(row_of), device=dev), accumulate=True)
         freq = logits.new_tensor([r.params.frequency_penalty for r in rows])[:, None]  # [R, 1]
         pres = logits.new_tensor([r.params.presence_penalty for r in rows])[:, None]  # [R, 1]
         logits = logits - freq * counts - pres * (counts > 0).float()
-    if any(r.params.logit_bias or r.banned for r in rows):
+    bias = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias.items() if t < V]
+    banned = [(i, t) for i, r in enumerate(rows) for t in r.banned if t < V]
+    if bias or banned:
         logits = logits.clone()
-        for i, r in enumerate(rows):
-            for token, bias in r.params.logit_bias.items():
-                if token < V:
-                    logits[i, token] += bias
-            for token in r.banned:
-                if token < V:
-                    logits[i, token] = float("-inf")
+        if bias:
+            rows_t, tokens_t, values = zip(*bias)
+            index = (torch.tensor(rows_t, device=dev), torch.tensor(tokens_t, device=dev))
+            logits.index_put_(index, logits.new_tensor(values), accumulate=True)
+        if banned:
+            rows_t, tokens_t = zip(*banned)
+            logits[torch.tensor(rows_t, device=dev), torch.tensor(tokens_t, device=dev)] = float("-inf")
     return logits
 
 

@@ -69,34 +69,42 @@ class DraftModelSource:
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         n = len(requests)
         K = max(r.max_drafts for r in requests)
-        tokens: list[list[int]] = [[] for _ in range(n)]
+        dev = self.runner.device
+        # The drafts stay on the device until the end: the next position's input is this one's output,
+        # so the loop never waits for the host (one read-back, after the last position).
+        drafted = torch.zeros(n, max(K, 1), dtype=torch.long, device=dev)  # [n, K]
         # Only an unseeded sampled row is verified against q (seeded and greedy ones by tokens alone).
         needs_q = [not r.seq.params.greedy and r.seq.params.seed is None for r in requests]
-        probs = torch.zeros(n, K, self.vocab, device=self.runner.device) if any(needs_q) else None  # [n, K, V]
+        probs = torch.zeros(n, K, self.vocab, device=dev) if any(needs_q) else None  # [n, K, V]
+        # Penalties read the drafts so far as generated tokens: only they need them on the host.
+        penalised = any(r.seq.params.uses_penalties for r in requests)
         active = list(range(n))
         for j in range(max(K, 1)):  # K == 0: a catch-up alone
-            feeds, starts = [], []
-            for i in active:
-                seq = requests[i].seq
-                if j == 0:  # catch up on (part of) what the draft has not seen, then predict
-                    end = seq.draft_num_computed + requests[i].catch_up + (1 if requests[i].max_drafts else 0)
-                    feeds.append(seq.token_ids[seq.draft_num_computed : end])
-                    starts.append(seq.draft_num_computed)
-                else:
-                    feeds.append(tokens[i][-1:])
-                    starts.append(seq.num_tokens + j - 1)
-            rows = [1 if requests[i].max_drafts else 0 for i in active]
-            logits = self._logits(ForwardBatch(feeds, starts, [requests[i].seq.block_table for i in active], rows))
-            for row, i in enumerate(active):
-                requests[i].seq.draft_num_computed = starts[row] + len(feeds[row])
+            seqs = [requests[i].seq for i in active]
+            if j == 0:  # catch up on (part of) what the draft has not seen, then predict
+                feeds = [s.token_ids[s.draft_num_computed : s.draft_num_computed + requests[i].catch_up
+                                     + (1 if requests[i].max_drafts else 0)] for i, s in zip(active, seqs)]
+                starts = [s.draft_num_computed for s in seqs]
+                batch = ForwardBatch(feeds, starts, [s.block_table for s in seqs],
+                                     [1 if requests[i].max_drafts else 0 for i in active])
+            else:
+                starts = [s.num_tokens + j - 1 for s in seqs]
+                index = torch.tensor(active, device=dev)
+                batch = ForwardBatch([[0]] * len(active), starts, [s.block_table for s in seqs], [1] * len(active),
+                                     input_ids=drafted[index, j - 1])
+            logits = self._logits(batch)
+            for s, start, fed in zip(seqs, starts, batch.token_ids):
+                s.draft_num_computed = start + len(fed)
             drafting = [i for i in active if requests[i].max_drafts]
             if drafting:
-                picked_t, q = self._pick(logits, [requests[i] for i in drafting], [tokens[i] for i in drafting])
+                so_far = drafted[drafting, :j].tolist() if penalised else [[0] * j] * len(drafting)
+                picked, q = self._pick(logits, [requests[i] for i in drafting], so_far)
+                index = torch.tensor(drafting, device=dev)
+                drafted[index, j] = picked
                 if probs is not None and q is not None:
-                    probs[drafting, j] = q
-                for i, t in zip(drafting, picked_t.tolist()):
-                    tokens[i].append(t)
+                    probs[index, j] = q
             active = [i for i in drafting if requests[i].max_drafts > j + 1]
             if not active:
                 break
-        return Proposal(tokens=tokens, probs=probs)
+        rows = drafted.tolist()
+        return Proposal(tokens=[rows[i][: r.max_drafts] for i, r in enumerate(requests)], probs=probs)
