@@ -11,6 +11,7 @@ long chunks (prefill) get one call each, so padding never multiplies a long prom
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, fields, replace
 from typing import TypeVar
 
@@ -31,6 +32,8 @@ class ShortGroup:
 
     rows: torch.Tensor  # [G, Q] long: each query's row in the packed batch (padding repeats a row)
     valid: torch.Tensor  # [G, Q] bool: real query tokens
+    real: torch.Tensor  # [N] long: the real queries' flat indices in [G * Q] (no boolean-mask indexing, no sync)
+    real_rows: torch.Tensor  # [N] long: their rows in the packed batch
     positions: torch.Tensor  # [G, Q] long
     slots: torch.Tensor  # [G, C] long: cache slot of key position c (padding points anywhere)
     mask: torch.Tensor | None  # [G, 1, Q, C] bool: causal, padding rows see key 0 only (no NaN rows)
@@ -93,6 +96,7 @@ def build_metadata(
     q_lens_t = torch.tensor(q_lens, device=device)  # [B]
     starts_t = torch.tensor(starts, device=device)  # [B]
     q_first = q_lens_t.cumsum(0) - q_lens_t  # [B] first packed row of each sequence
+    first_row = [0, *itertools.accumulate(q_lens)][:B]  # the same on the host: nothing is read back
     T = sum(q_lens)
     seq_of = torch.repeat_interleave(torch.arange(B, device=device), q_lens_t)  # [T]
     positions = starts_t[seq_of] + torch.arange(T, device=device) - q_first[seq_of]  # [T]
@@ -118,14 +122,16 @@ def build_metadata(
         trivial = Q == 1 and len({ends[i] for i in short_idx}) == 1
         dense = len(short_idx) == B and all(q_lens[i] == Q for i in short_idx)
         span = _contiguous_span(block_tables[short_idx[0]], C, bs) if len(short_idx) == 1 else None
-        short = ShortGroup(rows, valid, qpos, slots, None if trivial else mask[:, None], dense, span)
+        real = torch.tensor([g * Q + j for g, i in enumerate(short_idx) for j in range(q_lens[i])], device=device)
+        real_rows = torch.tensor([first_row[i] + j for i in short_idx for j in range(q_lens[i])], device=device)
+        short = ShortGroup(rows, valid, real, real_rows, qpos, slots, None if trivial else mask[:, None], dense, span)
     long = []
     for i in range(B):
         if q_lens[i] <= SHORT_QUERY:
             continue
         kpos = torch.arange(ends[i], device=device)
         qpos = kpos[starts[i] :]
-        first = int(q_first[i])
+        first = first_row[i]
         long.append(
             LongSeq(
                 rows=slice(first, first + q_lens[i]),
@@ -197,7 +203,7 @@ def paged_attention_forward(
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [G, H, Q, D]
         if g.dense:
             return o.permute(0, 2, 1, 3).reshape(1, G * Q, *out.shape[1:]), None  # [1, T, H, Dv]
-        out[g.rows[g.valid]] = o.permute(0, 2, 1, 3)[g.valid]
+        out.index_copy_(0, g.real_rows, o.permute(0, 2, 1, 3).reshape(G * Q, *out.shape[1:]).index_select(0, g.real))
     for s in meta.long:
         q = q_all[s.rows].transpose(0, 1)[None]  # [1, H, q, D]
         if s.fresh:

@@ -42,6 +42,7 @@ class EngineConfig:
     seed: int = 0
     trust_remote_code: bool = False
     audit_fraction: float = 0.0  # of finished greedy requests, re-run without speculation and compared
+    compile: bool = False  # torch.compile the decode and verify forwards of the target and the draft
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_method, str):

@@ -34,6 +34,7 @@ class LLM:
         seed: int = 0,
         trust_remote_code: bool = False,
         audit_fraction: float = 0.0,
+        compile: bool = False,
     ) -> None:
         if speculative_method is None:
             speculative_method = SpeculativeMethod.HYBRID if draft_model else SpeculativeMethod.NONE
@@ -56,6 +57,7 @@ class LLM:
                 seed=seed,
                 trust_remote_code=trust_remote_code,
                 audit_fraction=audit_fraction,
+                compile=compile,
             )
         )
         self._ids = itertools.count()

@@ -156,7 +156,8 @@ class LLMEngine:
         num_prompt = sum(s.num_new_tokens for s in sched.scheduled if s.seq.num_computed < s.seq.num_prompt_tokens)
         outputs = self.scheduler.update(sched, verdicts)
         if self.drafting is not None:
-            self.drafting.observe(sched.scheduled, verdicts, sched.num_tokens, t3 - t2)
+            fed = sum(s.num_new_tokens + len(d) for s, d in zip(sched.scheduled, drafts.tokens))
+            self.drafting.observe(sched.scheduled, verdicts, fed, t3 - t2)
         audits = self._finish(outputs)
         outputs = [o for o in outputs if not is_audit(o.request_id)]  # audits are the engine's own work
         self.last_step = StepStats.of(sched, verdicts, outputs, num_prompt, audits, self.num_running,

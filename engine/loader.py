@@ -66,14 +66,16 @@ def check_same_tokenizer(target_tok: Any | None, draft_tok: Any | None, target: 
 
 def load(config: EngineConfig) -> Loaded:
     t0 = time.perf_counter()
-    target = ModelRunner(config.model, config.dtype, config.device, config.trust_remote_code, config.device_map)
+    target = ModelRunner(config.model, config.dtype, config.device, config.trust_remote_code, config.device_map,
+                         config.compile)
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     draft = None
     if config.uses_draft_model:
         assert config.draft_model is not None
         draft_tok = load_tokenizer(config.draft_model, config.trust_remote_code)
         check_same_tokenizer(tokenizer, draft_tok, config.model, config.draft_model)
-        draft = ModelRunner(config.draft_model, config.dtype, config.device, config.trust_remote_code)
+        draft = ModelRunner(config.draft_model, config.dtype, config.device, config.trust_remote_code,
+                            compile=config.compile)
         if draft.device != target.device:
             # The draft's distributions meet the target's logits in verification, on one device.
             raise ValueError(
@@ -106,6 +108,9 @@ def load(config: EngineConfig) -> Loaded:
     target.allocate_cache(num_blocks, config.block_size)
     if draft:
         draft.allocate_cache(num_blocks, config.block_size)
+    for runner in (target, draft):
+        if runner is not None:
+            runner.warm_up_compiled(config.k_max)
     logger.info(
         "loaded %s%s on %s (%s) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s); "
         "max_model_len %d",

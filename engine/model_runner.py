@@ -9,6 +9,7 @@ import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from engine import attention
+from engine.compiled import CompiledForward, warm_up
 from engine.config import DeviceMap
 from engine.kv_cache import LayerShape, PagedKVCache
 from engine.scheduler import ScheduledSeq
@@ -75,10 +76,12 @@ class ModelRunner:
     """One model, one KV cache. The target and the draft model each get their own runner."""
 
     def __init__(
-        self, path: str, dtype: str, device: str, trust_remote_code: bool = False, device_map: DeviceMap | None = None
+        self, path: str, dtype: str, device: str, trust_remote_code: bool = False, device_map: DeviceMap | None = None,
+        compile: bool = False,
     ) -> None:
         """``device_map`` splits the model across devices (accelerate places the modules and moves
-        activations between them); ``device`` is then unused."""
+        activations between them); ``device`` is then unused. ``compile``: decode and verify forwards
+        run through torch.compile (engine.compiled), after ``warm_up_compiled``."""
         attention.register()
         self.dtype = resolve_dtype(dtype, resolve_device(device) if device_map is None else device_map_kind(device_map))
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -126,6 +129,7 @@ class ModelRunner:
         self.model.set_attn_implementation(attention.ATTN_IMPL)
         self.cache: PagedKVCache | None = None
         self.name = path
+        self.compiled = CompiledForward(self.model, path) if compile else None
 
     def _select_rows(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
         if self._keep is None:
@@ -179,6 +183,27 @@ class ModelRunner:
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         self.cache = PagedKVCache(self.layer_shapes, num_blocks, block_size, self.dtype, self.layer_devices)
 
+    def warm_up_compiled(self, k_max: int) -> float:
+        """Compile the layouts decode and verify steps use, before any request: one sequence decoding (a
+        contiguous cache span) or verifying k_max drafts, and two sequences over a gathered, masked
+        cache. Writes into blocks nobody owns yet. Returns the seconds it took (0 without compile)."""
+        if self.compiled is None:
+            return 0.0
+        assert self.cache is not None
+        bs, n = self.cache.block_size, self.cache.num_blocks
+        ctx = max(2, min(40, (n // 2) * bs - k_max - 1))  # two sequences' worth of blocks, even in a small cache
+        need = -(-(ctx + k_max + 1) // bs)
+        one, other = list(range(need)), list(range(2 * need - 1, need - 1, -1))
+        layouts = [
+            ForwardBatch([[0]], [ctx], [one], [1]),
+            ForwardBatch([[0] * (k_max + 1)], [ctx], [one], [k_max + 1]),
+            ForwardBatch([[0], [0]], [ctx, ctx // 2], [one, other], [1, 1]),
+            ForwardBatch([[0] * (k_max + 1), [0]], [ctx, ctx // 2], [one, other], [k_max + 1, 1]),
+        ]
+        seconds = warm_up([lambda b=b: self.forward(b) for b in layouts], self.name)
+        logger.info("compiled the decode and verify forwards of %s in %.1fs", self.name, seconds)
+        return seconds
+
     def synchronize(self) -> None:
         """Wait for queued GPU work, so wall-clock timings mean something."""
         for device in dict.fromkeys(self.layer_devices or [self.device]):
@@ -204,10 +229,13 @@ class ModelRunner:
             keep.extend(range(end - r, end))
         # Verify and plain decode steps want every row: no selection (None) instead of a gather of all of them.
         self._keep = None if len(keep) == end else torch.tensor(keep, dtype=torch.long, device=self.device)
+        inputs = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        inputs[attention.METADATA_KWARG] = meta
         try:
-            out = self.model(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, **{attention.METADATA_KWARG: meta}
-            )
+            if self.compiled is not None:
+                out = self.compiled(compiled=not meta.long, **inputs)  # decode and verify: short queries only
+            else:
+                out = self.model(**inputs)
         finally:
             self._keep = None
         # A split model's head is on its last device; sampling and the drafter work on the first.

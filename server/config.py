@@ -61,6 +61,7 @@ class ServerConfig:
     seed: int = 0
     trust_remote_code: bool = False
     audit_fraction: float = 0.0  # of finished greedy requests, re-run without speculation and compared
+    compile: bool = False  # torch.compile the decode and verify forwards (compiled at start-up)
     log_level: str = "info"
     log_stats_interval: float = 10.0  # seconds between stats log lines while busy; 0 turns them off
     log_requests: bool = False  # one line per request: ids, token counts, timings (never text)
@@ -159,6 +160,7 @@ class ServerConfig:
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
             audit_fraction=self.audit_fraction,
+            compile=self.compile,
         )
 
 

@@ -1,0 +1,54 @@
+"""torch.compile of a model's decode and verify forwards, eager everywhere else and whenever it fails.
+
+Per-forward overhead (Python, dispatch, one kernel per small op), not arithmetic, is what a small
+step costs; inductor fuses the elementwise work of each layer and, with its C++ wrapper, calls the
+kernels without Python. Shapes are dynamic (the context length grows every step, the batch and the
+draft count vary), so one graph serves every length; dynamo still specialises on the layout's
+branches (one query or several, a contiguous cache span or a gather), a handful of graphs, compiled
+at start-up by ``warm_up`` so that no request waits for them. Prefill chunks stay eager: they are
+long, so their overhead is small beside their arithmetic.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class CompiledForward:
+    def __init__(self, model: torch.nn.Module, name: str) -> None:
+        self.model = model
+        self.name = name
+        # The C++ wrapper drops the Python between kernels; CUDA's wrapper is Python (graphs are the lever there).
+        options = {"cpp_wrapper": True} if next(model.parameters()).device.type == "cpu" else {}
+        self._compiled: Callable[..., Any] = torch.compile(model, dynamic=True, options=options)
+        self.failed = False
+        self.calls = 0  # forwards that ran compiled
+
+    def __call__(self, compiled: bool, **inputs: Any) -> Any:
+        """``compiled``: the forward is a decode or verify step (short queries only)."""
+        if compiled and not self.failed:
+            try:
+                out = self._compiled(**inputs)
+                self.calls += 1
+                return out
+            except Exception:  # a model or layout inductor cannot handle: serve it eagerly from now on
+                logger.exception("compiled forward of %s failed; running it eagerly from now on", self.name)
+                self.failed = True
+        return self.model(**inputs)
+
+
+def warm_up(forwards: list[Callable[[], object]], name: str) -> float:
+    """Run each warm-up forward once (each compiles a graph the first time), logging progress; seconds taken."""
+    t0 = time.perf_counter()
+    for i, forward in enumerate(forwards, 1):
+        t = time.perf_counter()
+        forward()
+        logger.info("compiling %s: layout %d/%d in %.1fs", name, i, len(forwards), time.perf_counter() - t)
+    return time.perf_counter() - t0
