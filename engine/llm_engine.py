@@ -142,7 +142,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         if self.drafting is not None:
-            self.drafting.plan([s for s in self.scheduler.running if s.is_decoding])
+            self.drafting.plan(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []

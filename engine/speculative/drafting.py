@@ -47,11 +47,14 @@ class Drafting:
         """The draft model's adaptive policy (the lookup's without a draft model), None at a fixed k."""
         return next(iter(self.policies.values()), None)
 
-    def plan(self, decoding: list[Sequence]) -> None:
-        """Sets each decoding sequence's ``seq.draft`` source, k and lag for this step."""
+    def plan(self, running: list[Sequence]) -> None:
+        """Sets the ``seq.draft`` source, k and lag of each running sequence for this step: none for
+        a sequence still prefilling (or recomputing), so no earlier step's plan outlives it."""
+        decoding = [s for s in running if s.is_decoding]
+        for seq in running:
+            seq.draft.source, seq.draft.k, seq.draft.lag, seq.draft.lookup = None, 0, 0, []
         for seq in decoding:
             d = seq.draft
-            d.source, d.k, d.lag, d.lookup = None, 0, 0, []
             source, k = self._route(seq, len(decoding))
             if source is not None:  # with k = 0 too: a lookup shadowing the model still learns from the step
                 d.source, d.k, d.lag = source.name, k, source.lag(seq)

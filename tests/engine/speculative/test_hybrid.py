@@ -23,8 +23,8 @@ def engine_for(ms, k: int | None) -> LLMEngine:
 
 
 def standalone(rid: str, ids: list[int], params: SamplingParams) -> Sequence:
-    """A sequence outside any engine: routing and lookups read only its tokens and params."""
-    return Sequence(request_id=rid, token_ids=list(ids), params=params, arrival_time=0.0)
+    """A decoding sequence outside any engine: routing and lookups read only its tokens and params."""
+    return Sequence(request_id=rid, token_ids=list(ids), params=params, arrival_time=0.0, num_computed=len(ids) - 1)
 
 
 def prefilled(engine: LLMEngine, rid: str, ids: list[int], params: SamplingParams) -> Sequence:
@@ -90,3 +90,15 @@ def test_hybrid_is_the_default_with_a_draft_model(model_sets):
     llm = LLM(str(ms.target), draft_model=str(ms.draft), dtype="float32", device="cpu")
     assert llm.engine.config.speculative_method.value == "hybrid"
     assert set(llm.engine.drafting.policies) == {"model", "lookup"}, "one adaptive policy per source"
+
+
+def test_a_sequence_that_is_not_decoding_keeps_no_earlier_plan(model_sets):
+    """A preempted sequence recomputing its tokens must not carry last step's lookup into this one."""
+    engine = engine_for(model_sets["llama"], 4)
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    r = standalone("r", REPEATING, greedy)
+    engine.drafting.plan([r])
+    assert r.draft.source == "lookup" and r.draft.lookup
+    r.reset_for_recompute()
+    engine.drafting.plan([r])
+    assert (r.draft.source, r.draft.k, r.draft.lookup) == (None, 0, [])
