@@ -149,9 +149,9 @@ def make_drafting(config: EngineConfig, target: ModelRunner, draft: ModelRunner 
         lookup = LookupSource(config.ngram_max, max(2, config.ngram_min) if strict else config.ngram_min)
     policies = {}
     if config.num_speculative_tokens is None:
-        for source, runner in (("model", draft), ("lookup", None)):
-            if (source == "model" and model is None) or (source == "lookup" and lookup is None):
-                continue
-            policies[source] = AdaptivePolicy(config.k_max)
-            calibrate(policies[source], target, runner, config.block_size)
+        # A draft costs the draft model's forwards, or (runner None) a lookup's near-nothing.
+        for source, runner in ((model, draft), (lookup, None)):
+            if source is not None:
+                policies[source.name] = AdaptivePolicy(config.k_max)
+                calibrate(policies[source.name], target, runner, config.block_size)
     return Drafting(config, model, lookup, policies)

@@ -62,16 +62,16 @@ class Verifier:
         offsets = (ks_t + 1).cumsum(0) - (ks_t + 1)  # [B] first row of each sequence
         index = offsets[:, None] + torch.minimum(torch.arange(K + 1, device=dev)[None, :], ks_t[:, None])  # [B, K+1]
         draft_t = torch.tensor([d + [0] * (K - len(d)) for d in drafts], dtype=torch.long, device=dev)  # [B, K]
-        keys = torch.tensor([s.key for s in seqs], dtype=torch.long, device=dev)  # [B]
-        first = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long, device=dev)  # [B] position of row 0
         choice = processed.argmax(-1)[index]  # [B, K+1]: the greedy choice
         greedy = [s.params.greedy for s in seqs]
         seeded = [not g and s.params.seed is not None for s, g in zip(seqs, greedy)]
-        if all(greedy):
-            probs = None
-        else:
+        probs = keys = first = None
+        if not all(greedy):  # an all-greedy step (the common decode) needs no distributions and no draws
             probs = probs_from_logits(processed, [sp.params for sp in specs])[index]  # [B, K+1, V]
+            keys = torch.tensor([s.key for s in seqs], dtype=torch.long, device=dev)  # [B]
+            first = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long, device=dev)  # [B] position of row 0
         if any(seeded):
+            assert probs is not None and keys is not None and first is not None
             # A seeded row's choice at each position is its keyed exponential race (see verify.py).
             sb = torch.tensor([b for b in range(B) if seeded[b]], device=dev)  # [S]
             positions = first[sb, None] + torch.arange(K + 1, device=dev)  # [S, K+1]
@@ -84,7 +84,7 @@ class Verifier:
             num_acc = accepted_prefix(None, choice, draft_t, None, ks_t, choice.new_ones(B, dtype=torch.bool), None)
             tokens = choice
         else:
-            assert probs is not None
+            assert probs is not None and keys is not None and first is not None
             det_t = torch.tensor(deterministic, device=dev)  # [B]
             q = draft_probs[:, :K] if draft_probs is not None else None  # [B, K, V]
             u = rng.uniforms(keys[:, None].expand(B, K).reshape(-1),
