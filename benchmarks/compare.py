@@ -14,8 +14,19 @@ Systems, all on one machine, started by this process (servers on 127.0.0.1, gene
   transformers serve      `transformers serve`, with and without --continuous-batching
   generate assisted       transformers' generate(assistant_model=draft)
   generate prompt lookup  transformers' generate(prompt_lookup_num_tokens=10)
+  llama.cpp spec          llama.cpp's llama-server with the draft model (-md; draft settings in
+                          peer_bench/systems.py), on CPU; built by benchmarks/llamacpp/build.sh, the
+                          pair converted to f32 GGUF on first use (benchmarks/llamacpp/convert.py).
+                          One slot per request of the largest concurrency, each with the pair's context
+  llama.cpp none          the same without the draft
+  specd adaptive compiled specd adaptive with --compile (only when named in --systems)
 Every system loads the same weights in the same dtype (float32 on CPU, bfloat16 on CUDA) with the
-process's default thread count.
+process's default thread count (--threads for llama.cpp, whose own default is not that). Without a
+llama-server binary, or on a GPU, the llama.cpp systems are left out with a message.
+
+    python benchmarks/compare.py --sets code --concurrency 1 8 32 --rounds 2 \
+        --systems "specd adaptive" "specd draft" "specd none" "llama.cpp spec" "llama.cpp none" \
+        --out benchmarks/results/compare_llamacpp.json --section "Against llama.cpp's server"
 
 Workload: greedy, 128 new tokens (or until EOS, the same for everyone since greedy output is
 the same), streamed completions; batch 1 (requests one after another) and concurrency 4, 16, 32
@@ -29,7 +40,9 @@ tokenizer, over the run's wall time), TTFT p50, TPOT p50/p99 ((latency - TTFT) /
 request), acceptance (specd: from /metrics), tokens per target forward, whether the text equals
 specd none's, and for specd's speculative runs the bound E(a,k)/(1+kc) from the measured acceptance
 and costs (peer_bench/report.py says how). Writes benchmarks/results/compare.json, docs/compare.md
-and the plots docs/compare_throughput.png and docs/compare_bound.png.
+and the plots docs/compare_throughput.png and docs/compare_bound.png; with --section, a "## TITLE"
+section of docs/compare.md instead (replaced if there, the rest kept) and plots named after it. With
+llama.cpp in the run, a second table gives specd over llama.cpp per round (report.VERSUS).
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -50,7 +64,7 @@ for p in (ROOT, ROOT / "benchmarks"):
 import torch  # noqa: E402
 from peer_bench import client, report  # noqa: E402
 from peer_bench.prompts import PROMPT_SETS  # noqa: E402
-from peer_bench.systems import Running, systems  # noqa: E402
+from peer_bench.systems import LLAMACPP, Running, System, llamacpp_missing, llamacpp_systems, systems  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 DEFAULT_PAIR = ROOT / "models" / "default"
@@ -66,12 +80,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="requests at batch 1; 2 x concurrency above it")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--systems", nargs="+", help="a subset, by name (default: all)")
+    ap.add_argument("--systems", nargs="+", help="a subset, by name (default: all but specd adaptive compiled)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's -t (default: torch's)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compare.json")
     ap.add_argument("--docs", type=Path, default=ROOT / "docs", help="where compare.md and the plots go")
+    ap.add_argument("--section", help="write a '## SECTION' of compare.md, keeping the rest of the file")
     args = ap.parse_args()
 
-    chosen = [s for s in systems(args.target, args.draft, args.device) if not args.systems or s.name in args.systems]
+    chosen = choose_systems(args, ap)
     if not any(s.name == report.BASELINE for s in chosen):
         ap.error(f"the systems must include {report.BASELINE!r}: every ratio is taken against it")
     tok = AutoTokenizer.from_pretrained(args.target)
@@ -113,19 +129,58 @@ def main() -> None:
                + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))
     title = (f"{Path(args.target).name} + {Path(args.draft).name}, greedy, {args.max_tokens} new tokens, "
              f"{args.rounds} rounds, {machine}")
-    text = report.table(lines)
+    versus = report.versus(rows)
+    text = report.table(lines) + (f"\n\n{report.versus_table(versus)}" if versus else "")
     print("\n" + title + "\n\n" + text)
     for r in rows:
         r.pop("texts")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"title": title, "args": {k: str(v) for k, v in vars(args).items()},
-                                    "summary": lines, "rows": rows}, indent=1))
-    pngs = report.plot(lines, args.docs, title)
-    (args.docs / "compare.md").write_text(
-        f"# specd vs peers\n\n`{' '.join(['python', *sys.argv])}`\n\n{title}\n\n{text}\n\n"
-        + "".join(f"![{p.stem}]({p.name})\n" for p in pngs)
-    )
+                                    "summary": lines, "versus": versus, "rows": rows}, indent=1))
+    stem = "compare" + (f"_{slug(args.section)}" if args.section else "")
+    pngs = report.plot(lines, args.docs, title, stem)
+    command = " ".join(["python", *(f'"{a}"' if " " in a else a for a in sys.argv)])
+    body = f"`{command}`\n\n{title}\n\n{text}\n\n" + "".join(f"![{p.stem}]({p.name})\n" for p in pngs)
+    write_md(args.docs / "compare.md", body, args.section)
     print(f"\nwrote {args.out}, {args.docs / 'compare.md'}, " + ", ".join(map(str, pngs)))
+
+
+def choose_systems(args: argparse.Namespace, ap: argparse.ArgumentParser) -> list[System]:
+    """The systems named in --systems (else the default ones), llama.cpp's when it can run here."""
+    known = systems(args.target, args.draft, args.device)
+    unknown = set(args.systems or ()) - {s.name for s in known} - set(LLAMACPP)
+    if unknown:
+        ap.error(f"unknown systems {sorted(unknown)}; known: {[s.name for s in known] + list(LLAMACPP)}")
+    if not args.systems or set(args.systems) & set(LLAMACPP):
+        missing = llamacpp_missing(args.device)
+        if missing:
+            print(f"leaving out {', '.join(LLAMACPP)}: {missing}", flush=True)
+        else:
+            known += llamacpp_systems(args.target, args.draft, args.threads, max(args.concurrency))
+    return [s for s in known if s.name in args.systems] if args.systems else [s for s in known if s.default]
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
+
+
+def write_md(path: Path, body: str, section: str | None) -> None:
+    """The whole report (the '## ' sections already in the file kept after it), or one '## ' section
+    of it, replaced in place or appended."""
+    old = path.read_text() if path.exists() else ""
+    head, *sections = re.split(r"(?m)^(?=## )", old)
+    sections = [s.rstrip() + "\n\n" for s in sections]
+    if section is None:
+        head = f"# specd vs peers\n\n{body.rstrip()}\n\n"
+    else:
+        head = head.rstrip() + "\n\n" if head.strip() else "# specd vs peers\n\n"
+        new = f"## {section}\n\n{body.rstrip()}\n\n"
+        i = next((i for i, s in enumerate(sections) if s.splitlines()[0] == f"## {section}"), None)
+        if i is None:
+            sections.append(new)
+        else:
+            sections[i] = new
+    path.write_text((head + "".join(sections)).rstrip() + "\n")
 
 
 def row_of(rnd: int, name: str, conc: int, system: str, run: client.Run, tok: object) -> dict:

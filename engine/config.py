@@ -43,6 +43,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     audit_fraction: float = 0.0  # of finished greedy requests, re-run without speculation and compared
     compile: bool = False  # torch.compile the decode and verify forwards of the target and the draft
+    prefix_caching: bool = True  # reuse the KV blocks of a prefix an earlier request computed (engine.block_manager)
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_method, str):

@@ -35,6 +35,7 @@ class LLM:
         trust_remote_code: bool = False,
         audit_fraction: float = 0.0,
         compile: bool = False,
+        prefix_caching: bool = True,
     ) -> None:
         if speculative_method is None:
             speculative_method = SpeculativeMethod.HYBRID if draft_model else SpeculativeMethod.NONE
@@ -58,6 +59,7 @@ class LLM:
                 trust_remote_code=trust_remote_code,
                 audit_fraction=audit_fraction,
                 compile=compile,
+                prefix_caching=prefix_caching,
             )
         )
         self._ids = itertools.count()

@@ -44,7 +44,7 @@ class LLMEngine:
         self.vocab_size = self.target.vocab_size
         self.device = self.target.device
         self._keys = random.Random(config.seed)  # keys of unseeded requests' random draws
-        self.block_manager = BlockManager(loaded.num_blocks, config.block_size)
+        self.block_manager = BlockManager(loaded.num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
             self.block_manager,

@@ -31,6 +31,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
     stop_reason: str | int | None
     num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens whose K/V the prefix cache held when the request was admitted
     num_output_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -46,6 +47,7 @@ class RequestOutput:
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.prefix.cached_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_draft_tokens=seq.num_draft_tokens,
             num_accepted_tokens=seq.num_accepted_tokens,
@@ -65,6 +67,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_cached_tokens: int = 0
 
     def add(self, out: RequestOutput) -> None:
         self.token_ids.extend(out.new_token_ids)
@@ -75,3 +78,4 @@ class CompletionOutput:
         # Cumulative counts; max() so that an output made up for an abort (zeros) cannot lower them.
         self.num_draft_tokens = max(self.num_draft_tokens, out.num_draft_tokens)
         self.num_accepted_tokens = max(self.num_accepted_tokens, out.num_accepted_tokens)
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)

@@ -39,6 +39,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    prefix_queried: int = 0  # tokens of the sequences admitted this step, looked up in the prefix cache
+    prefix_hit: int = 0  # of those, tokens found there
 
     @property
     def num_tokens(self) -> int:
@@ -106,16 +108,33 @@ class Scheduler:
                 break
             while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = queue[0]
-                new = min(seq.num_uncomputed, budget)
-                if not self.block_manager.can_allocate(seq, seq.num_computed + new):
+                hit = self.block_manager.match(seq)
+                if self._prefix_in_flight(seq, len(hit)):
+                    break  # next step it reuses what a running sequence is computing now
+                cached = len(hit) * self.block_manager.block_size
+                new = min(seq.num_tokens - cached, budget)
+                if not self.block_manager.can_reuse(seq, hit, cached + new):
                     break  # waiting requests never preempt running ones
-                self.block_manager.allocate(seq, seq.num_computed + new)
+                self.block_manager.reuse(seq, hit)
+                self.block_manager.allocate(seq, cached + new)
+                out.prefix_queried += seq.num_tokens
+                out.prefix_hit += cached
+                if not seq.num_preemptions:
+                    seq.prefix.cached_tokens = cached
                 queue.popleft()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, new, 0))
                 budget -= new
         return out
+
+    def _prefix_in_flight(self, seq: Sequence, num_hit: int) -> bool:
+        """Whether the block after a waiting sequence's cache hit is being computed by a running one."""
+        if num_hit >= (seq.num_tokens - 1) // self.block_manager.block_size:
+            return False
+        bm = self.block_manager
+        following = bm.hashes(seq, num_hit + 1)[num_hit]
+        return any(following in bm.filling(r) for r in self.running)
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Allocate slots for ``num_tokens``, preempting the newest running sequences as needed.
@@ -156,6 +175,7 @@ class Scheduler:
             seq = s.seq
             if verdict is None:
                 seq.num_computed += s.num_new_tokens
+                self.block_manager.register(seq)
                 continue
             if verdict.error is not None:
                 logger.error("request %s failed: %s", seq.request_id, verdict.error)
@@ -176,18 +196,20 @@ class Scheduler:
         return RequestOutput.of(seq, [], "", [])
 
     def _append(self, seq: Sequence, verdict: Verdict) -> RequestOutput:
-        kept = []
+        kept, reason = [], None
         for token in verdict.tokens:
             seq.token_ids.append(token)
             kept.append(token)
             reason = self.stop.check(seq, token)
             if reason is not None:
-                self.finish(seq, reason)
                 break
         # Every kept token but the last was fed this step (the last known token or an accepted draft),
         # so has valid K/V; K/V written for rejected drafts are forgotten by this length alone.
         seq.num_computed = seq.num_tokens - 1
         seq.draft_num_computed = min(seq.draft_num_computed, seq.num_computed)
+        self.block_manager.register(seq)  # before finishing: the next chat turn starts with this text
+        if reason is not None:
+            self.finish(seq, reason)
         logprobs = verdict.logprobs[: len(kept)]
         seq.logprobs.extend(logprobs)
         return RequestOutput.of(seq, kept, self.stop.release(seq), logprobs)

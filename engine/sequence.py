@@ -40,6 +40,16 @@ class AuditCase:
     output: tuple[int, ...]
 
 
+@dataclass
+class PrefixState:
+    """What the prefix cache knows of one sequence (engine.block_manager)."""
+
+    hashes: list[bytes] = field(default_factory=list)  # chain hashes of its full blocks of tokens, memoised
+    registered: int = 0  # leading blocks of its table that are in the cache (or were found to be duplicates)
+    draft_registered: int = 0  # leading blocks checked for draft-cache validity
+    cached_tokens: int = 0  # prompt tokens its first admission found in the cache
+
+
 @dataclass(eq=False)  # identity, not field-by-field: the scheduler searches lists of these
 class Sequence:
     """Token accounting follows one rule: ``token_ids[:num_computed]`` have valid K/V in the
@@ -64,6 +74,7 @@ class Sequence:
     num_preemptions: int = 0
     text: TextState = field(default_factory=TextState)
     draft: DraftState = field(default_factory=DraftState)
+    prefix: PrefixState = field(default_factory=PrefixState)
     audit: AuditCase | None = None  # set on an audit's own sequence, which runs in the background
 
     @property

@@ -34,6 +34,8 @@ class StepStats:
     target_seconds: float
     step_seconds: float
     audit_results: tuple[str, ...] = ()  # losslessness audits judged this step: "match", "mismatch", "near_tie"
+    prefix_cache_queries: int = 0  # tokens of the sequences admitted this step, looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens whose K/V came from it
 
     @classmethod
     def of(
@@ -60,6 +62,8 @@ class StepStats:
             num_decoding=decoding,
             mean_k=n_draft_tokens / decoding if decoding else 0.0,
             num_preempted=len(sched.preempted),
+            prefix_cache_queries=sched.prefix_queried,
+            prefix_cache_hits=sched.prefix_hit,
             num_running=num_running,
             num_waiting=num_waiting,
             kv_usage=kv_usage,

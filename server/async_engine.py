@@ -232,7 +232,7 @@ class AsyncEngine:
     def _finish_aborted(self, request_id: str) -> None:
         handle = self._handles.get(request_id)
         if handle is not None:
-            handle.queue.put_nowait(RequestOutput(request_id, [], "", [], True, "abort", None, 0, 0, 0, 0))
+            handle.queue.put_nowait(RequestOutput(request_id, [], "", [], True, "abort", None, 0, 0, 0, 0, 0))
         self.abort(request_id)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -116,7 +116,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
                 **extra,
             )
         )
-    body = ChatCompletionResponse(id=rid, model=ctx.model_name, choices=out, usage=usage(ordered, len(ids)))
+    body = ChatCompletionResponse(id=rid, model=ctx.model_name, choices=out, usage=usage(ordered, len(ids), req.n))
     return JSONResponse(body.model_dump(mode="json"))
 
 
@@ -155,7 +155,7 @@ async def _stream(
                 )
             )
         if include_usage:
-            final = usage(list(choices.values()), num_prompt_tokens)
+            final = usage(list(choices.values()), num_prompt_tokens, req.n)
             chunk_ = ChatCompletionChunk(id=rid, created=created, model=ctx.model_name, choices=[], usage=final)
             yield sse.event(chunk_)
     except Exception as exc:  # the status line is sent: report in-band (cancellation is not an Exception)

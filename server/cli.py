@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
         "progress in the log (off by default: on a 2-core CPU it gained 0-20%% for a minute or two of compiling)",
     )
     s.add_argument(
+        "--no-prefix-caching", action="store_false", dest="prefix_caching",
+        help="compute every prompt in full instead of reusing the KV blocks of a prefix an earlier request "
+        "computed (on by default; output is the same either way)",
+    )
+    s.add_argument(
         "--trust-remote-code", action="store_true",
         help="run Python code shipped with the model directory (off by default; a warning is logged when on)",
     )

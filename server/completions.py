@@ -74,7 +74,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: Serving) 
         if prompt_echo is not None:
             text = prompt_echo + text
         out.append(_choice(req, c, text, logprobs, c.finish_reason))
-    body = CompletionResponse(id=rid, model=ctx.model_name, choices=out, usage=usage(ordered, num_prompt_tokens))
+    body = CompletionResponse(id=rid, model=ctx.model_name, choices=out, usage=usage(ordered, num_prompt_tokens, n))
     return JSONResponse(body.model_dump(mode="json"))
 
 
@@ -128,7 +128,7 @@ async def _stream(
                 choice.token_ids = list(out.new_token_ids)
             yield sse.event(CompletionChunk(id=rid, created=created, model=ctx.model_name, choices=[choice]))
         if include_usage:
-            final = usage(list(choices.values()), num_prompt_tokens)
+            final = usage(list(choices.values()), num_prompt_tokens, n)
             yield sse.event(CompletionChunk(id=rid, created=created, model=ctx.model_name, choices=[], usage=final))
     except Exception as exc:  # the status line is sent: report in-band (cancellation is not an Exception)
         yield sse.error_event(from_exception(exc))

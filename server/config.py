@@ -62,6 +62,7 @@ class ServerConfig:
     trust_remote_code: bool = False
     audit_fraction: float = 0.0  # of finished greedy requests, re-run without speculation and compared
     compile: bool = False  # torch.compile the decode and verify forwards (compiled at start-up)
+    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes earlier requests computed
     log_level: str = "info"
     log_stats_interval: float = 10.0  # seconds between stats log lines while busy; 0 turns them off
     log_requests: bool = False  # one line per request: ids, token counts, timings (never text)
@@ -161,6 +162,7 @@ class ServerConfig:
             trust_remote_code=self.trust_remote_code,
             audit_fraction=self.audit_fraction,
             compile=self.compile,
+            prefix_caching=self.prefix_caching,
         )
 
 

@@ -79,6 +79,11 @@ class Metrics:
         self.step_seconds = counter("specd:engine_step_seconds", "Wall time of engine steps, seconds.")
         self.target_seconds = counter("specd:target_forward_seconds", "Target forward passes within steps, seconds.")
         self.draft_seconds = counter("specd:draft_seconds", "Drafting (proposals, all draft forwards) within steps.")
+        # Prefix caching: hits / queries is the fraction of admitted tokens whose K/V was reused.
+        self.prefix_queries = counter(
+            "specd:prefix_cache_queries", "Tokens of admitted sequences looked up in the prefix cache (recomputes too)."
+        )
+        self.prefix_hits = counter("specd:prefix_cache_hits", "Of those, tokens whose K/V the prefix cache held.")
         # Tokens and requests, from what the HTTP handlers delivered.
         self.prompt_tokens = counter("specd:prompt_tokens", "Prompt tokens of requests, counted once per request.")
         self.generation_tokens = counter("specd:generation_tokens", "Generated tokens delivered to requests.")
@@ -149,6 +154,9 @@ class Metrics:
                     per_pos.append(self._per_pos_family.labels(self.model_name, str(i)))
                 per_pos[i].inc(n)  # zeros too: a position drafted but never accepted exports 0
             self.accepted_length.observe_many(step.accepted_lengths)
+        if step.prefix_cache_queries:
+            self.prefix_queries.inc(step.prefix_cache_queries)
+            self.prefix_hits.inc(step.prefix_cache_hits)
         for result in step.audit_results:
             self.audit[result].inc()
         self.running.set(step.num_running)

@@ -92,10 +92,15 @@ class ChatCompletionRequest(SamplingFields):
 # ---- responses -----------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     # Extensions: this request's speculative decoding (all choices).
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0

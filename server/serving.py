@@ -24,7 +24,7 @@ from server.async_engine import (
 )
 from server.errors import APIError, bad_request, unavailable
 from server.logprobs import TokenText
-from server.protocol import SamplingFields, Usage
+from server.protocol import PromptTokensDetails, SamplingFields, Usage
 from server.request_stats import RequestInfo, RequestTracking
 
 T = TypeVar("T")
@@ -206,12 +206,17 @@ class Choice(CompletionOutput):
     started: bool = False
 
 
-def usage(choices: Sequence[Choice], num_prompt_tokens: int) -> Usage:
+def usage(choices: Sequence[Choice], num_prompt_tokens: int, n: int = 1) -> Usage:
+    """``n`` choices per prompt. Like prompt_tokens, cached tokens count once per prompt: those its
+    first choice found cached (its siblings then reuse what it computed, which is not a saving
+    across requests)."""
     completion = sum(len(c.token_ids) for c in choices)
+    cached = sum(c.num_cached_tokens for c in choices if c.index % n == 0)
     return Usage(
         prompt_tokens=num_prompt_tokens,
         completion_tokens=completion,
         total_tokens=num_prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         spec_draft_tokens=sum(c.num_draft_tokens for c in choices),
         spec_accepted_tokens=sum(c.num_accepted_tokens for c in choices),
     )

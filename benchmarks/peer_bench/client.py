@@ -12,7 +12,8 @@ from bench_serving import Result, send  # benchmarks/ is on sys.path (compare.py
 
 from .systems import Running
 
-# specd's counters that the acceptance rate and the speedup bound are computed from.
+# specd's counters that the acceptance rate and the speedup bound are computed from; llama-server
+# (with --metrics) exports the first three under the same names with its own prefix.
 SPECD_COUNTERS = (
     "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
     "engine_steps", "engine_step_seconds", "target_forward_seconds", "draft_seconds", "generation_tokens",
@@ -33,7 +34,7 @@ def scrape(base_url: str) -> dict[str, float]:
         return {}
     out = {}
     for name in SPECD_COUNTERS:
-        values = re.findall(rf"^specd:{name}_total(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)
+        values = re.findall(rf"^(?:specd|llamacpp):{name}_total(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)
         if values:
             out[name] = sum(map(float, values))
     return out

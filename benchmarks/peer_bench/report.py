@@ -8,6 +8,9 @@ from pathlib import Path
 from engine_bench.bound import alpha_geo, expected  # benchmarks/ is on sys.path
 
 BASELINE = "specd none"
+# Head-to-head ratios, specd over a peer, each round's pair measured side by side.
+VERSUS = (("specd adaptive", "llama.cpp spec"), ("specd adaptive compiled", "llama.cpp spec"),
+          ("specd draft", "llama.cpp spec"), ("specd none", "llama.cpp none"), ("llama.cpp spec", "llama.cpp none"))
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -70,7 +73,8 @@ def bound_for(line: dict, lines: list[dict]) -> dict:
     base = next((x for x in lines if (x["set"], x["concurrency"], x["system"]) ==
                  (line["set"], line["concurrency"], BASELINE)), None)
     drafts, drafted = c.get("spec_decode_num_drafts", 0.0), c.get("spec_decode_num_draft_tokens", 0.0)
-    if line["concurrency"] != 1 or not drafts or base is None or not base["counters"].get("engine_steps"):
+    if (line["concurrency"] != 1 or not drafts or base is None or not base["counters"].get("engine_steps")
+            or "target_forward_seconds" not in c):  # a peer's drafting, with no engine timings to model
         return {}
     k = drafted / drafts
     alpha = alpha_geo(1 + c["spec_decode_num_accepted_tokens"] / drafts, k)
@@ -80,6 +84,30 @@ def bound_for(line: dict, lines: list[dict]) -> dict:
     bound = expected(alpha, k) / (1 + k * cost)
     return {"alpha": alpha, "mean_k": k, "c": cost, "bound": bound,
             "of_bound": line["vs_none"] / bound if line["vs_none"] else None}
+
+
+def versus(rows: list[dict], pairs: tuple[tuple[str, str], ...] = VERSUS) -> list[dict]:
+    """Per (prompt set, concurrency) and pair (a, b) with both run: median tokens/s of each and the
+    median over rounds of a's tokens/s over b's in the same round."""
+    out = []
+    for name, conc in dict.fromkeys((r["set"], r["concurrency"]) for r in rows):
+        tps = {(r["system"], r["round"]): r["tokens_per_s"]
+               for r in rows if (r["set"], r["concurrency"]) == (name, conc)}
+        for a, b in pairs:
+            rounds = [rnd for (s, rnd) in tps if s == a and (b, rnd) in tps]
+            if rounds:
+                out.append({"set": name, "concurrency": conc, "a": a, "b": b, "rounds": len(rounds),
+                            "a_tokens_per_s": statistics.median(tps[a, rnd] for rnd in rounds),
+                            "b_tokens_per_s": statistics.median(tps[b, rnd] for rnd in rounds),
+                            "ratio": statistics.median(tps[a, rnd] / tps[b, rnd] for rnd in rounds)})
+    return out
+
+
+def versus_table(lines: list[dict]) -> str:
+    head = "| set | conc | system | tok/s | against | tok/s | ratio (per-round median) |\n|" + "---|" * 7
+    body = [f"| {x['set']} | {x['concurrency']} | {x['a']} | {x['a_tokens_per_s']:.1f} | {x['b']} "
+            f"| {x['b_tokens_per_s']:.1f} | {x['ratio']:.2f} |" for x in lines]
+    return head + "\n" + "\n".join(body)
 
 
 def fmt(v: object, spec: str) -> str:
@@ -102,7 +130,7 @@ def table(lines: list[dict]) -> str:
     return head + "\n" + "\n".join(body)
 
 
-def plot(lines: list[dict], out_dir: Path, title: str) -> list[Path]:
+def plot(lines: list[dict], out_dir: Path, title: str, stem: str = "compare") -> list[Path]:
     import matplotlib  # Agg must be chosen before pyplot loads
 
     matplotlib.use("Agg")
@@ -128,11 +156,13 @@ def plot(lines: list[dict], out_dir: Path, title: str) -> list[Path]:
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
-    throughput = out_dir / "compare_throughput.png"
+    throughput = out_dir / f"{stem}_throughput.png"
     fig.savefig(throughput, dpi=110)
     plt.close(fig)
 
     spec = [x for x in lines if x.get("bound")]
+    if not spec:
+        return [throughput]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(spec)), 4.5))
     labels = [f"{x['system'].removeprefix('specd ')}\n{x['set']} c{x['concurrency']}" for x in spec]
     xs = range(len(spec))
@@ -146,7 +176,7 @@ def plot(lines: list[dict], out_dir: Path, title: str) -> list[Path]:
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    bound = out_dir / "compare_bound.png"
+    bound = out_dir / f"{stem}_bound.png"
     fig.savefig(bound, dpi=110)
     plt.close(fig)
     return [throughput, bound]

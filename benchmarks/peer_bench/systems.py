@@ -1,5 +1,6 @@
 """The systems compared: HTTP servers started as child processes, and transformers' generate() in a
-child worker. All load the same weights in the same dtype (float32 on CPU, bfloat16 on CUDA)."""
+child worker. All load the same weights in the same dtype (float32 on CPU, bfloat16 on CUDA); llama.cpp's
+server loads them converted to f32 GGUF (benchmarks/llamacpp/convert.py), on CPU only."""
 
 from __future__ import annotations
 
@@ -24,6 +25,16 @@ class System:
     kind: str  # "server" (OpenAI HTTP API) or "generate" (hf_worker.py, batch 1 only)
     args: tuple[str, ...]  # server: the command after the interpreter; generate: hf_worker.py flags
     speculative: bool = False  # specd with a drafter: acceptance and the bound apply
+    binary: str | None = None  # a native server, run as is rather than under this interpreter
+    default: bool = True  # run when --systems names no systems
+
+
+LLAMACPP = ("llama.cpp spec", "llama.cpp none")
+# llama.cpp's draft settings. --spec-type must be given: with only -md, this llama.cpp loads the draft
+# and never drafts. Up to specd's most drafts per step (max_speculative_tokens, 8); drafting stops early
+# when the draft's top token is less likely than p-min, llama.cpp's way of adapting the draft length.
+LLAMACPP_DRAFT = ("--spec-type", "draft-simple", "--spec-draft-n-max", "8", "--spec-draft-n-min", "0",
+                  "--spec-draft-p-min", "0.5")
 
 
 def systems(target: str, draft: str, device: str) -> list[System]:
@@ -36,6 +47,9 @@ def systems(target: str, draft: str, device: str) -> list[System]:
                speculative=True),
         System("specd draft", "server", (*specd, "--draft-model", draft, "--speculative-method", "draft_model"),
                speculative=True),
+        System("specd adaptive compiled", "server",
+               (*specd, "--draft-model", draft, "--speculative-method", "hybrid", "--compile"),
+               speculative=True, default=False),
         System("specd none", "server", (*specd, "--speculative-method", "none")),
         System("specd ngram", "server", (*specd, "--speculative-method", "ngram"), speculative=True),
         System("transformers serve", "server", ts),
@@ -43,6 +57,31 @@ def systems(target: str, draft: str, device: str) -> list[System]:
         System("generate assisted", "generate", (*gen, "--mode", "assisted", "--draft", draft)),
         System("generate prompt lookup", "generate", (*gen, "--mode", "lookup")),
     ]
+
+
+def llamacpp_missing(device: str) -> str | None:
+    """Why llama.cpp's server cannot run here, or None."""
+    from llamacpp.convert import server_binary  # benchmarks/ is on sys.path (compare.py puts it there)
+
+    if device != "cpu":
+        return f"the llama-server build is CPU-only and the others run on {device}"
+    if not server_binary().exists():
+        return f"no {server_binary()}: run benchmarks/llamacpp/build.sh (or set LLAMA_SERVER)"
+    return None
+
+
+def llamacpp_systems(target: str, draft: str, threads: int, slots: int, max_model_len: int = 512) -> list[System]:
+    """llama-server with and without the draft, converting both checkpoints to GGUF on first use.
+    One slot per concurrent request, each with the pair's context; greedy comes from the request
+    (temperature 0), as for every other system."""
+    from llamacpp.convert import gguf_for, server_binary
+
+    common = ("-m", str(gguf_for(target)), "-t", str(threads), "-tb", str(threads), "--parallel", str(slots),
+              "-c", str(slots * max_model_len), "--no-kv-unified", "--metrics", "--no-webui", "-lv", "2")
+    spec = ("-md", str(gguf_for(draft)), "-td", str(threads), "-tbd", str(threads), *LLAMACPP_DRAFT)
+    binary = str(server_binary())
+    return [System("llama.cpp spec", "server", (*common, *spec), binary=binary),
+            System("llama.cpp none", "server", common, binary=binary)]
 
 
 def free_port() -> int:
@@ -59,7 +98,10 @@ class Running:
         self.port = free_port()
         self.log = open(log_dir / (system.name.replace(" ", "_").replace("-", "") + ".log"), "w")  # noqa: SIM115
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-        if system.kind == "server":
+        if system.binary:
+            cmd = [system.binary, *system.args, "--host", "127.0.0.1", "--port", str(self.port)]
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        elif system.kind == "server":
             cmd = [sys.executable, *system.args, "--port", str(self.port)]
             if "transformers" not in system.args[1]:
                 cmd += ["--host", "127.0.0.1"]
@@ -76,7 +118,7 @@ class Running:
     def _model_id(self) -> str:
         """The served model's id; `transformers serve` answers with the path it was given (and its
         /v1/models lists the Hub cache, which may not exist)."""
-        if "transformers" in self.system.args[1]:
+        if not self.system.binary and "transformers" in self.system.args[1]:
             return self.system.args[3]
         return httpx.get(self.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
 

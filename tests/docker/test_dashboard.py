@@ -19,6 +19,7 @@ METRIC = re.compile(r"\bspecd:[A-Za-z0-9_:]+")
 PANELS = {  # what the dashboard must show, by panel title
     "Acceptance rate", "Acceptance by draft position", "Mean accepted length", "Tokens per second",
     "Time to first token", "Inter-token latency", "Queue depth", "KV cache usage", "Adaptive k",
+    "Prefix cache hit rate",
 }
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 

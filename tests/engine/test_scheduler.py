@@ -7,6 +7,7 @@ tokens and leaves exactly the last token without K/V."""
 from __future__ import annotations
 
 import random
+import zlib
 
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
@@ -29,7 +30,10 @@ def schedule(sched, draft_lens, lags=None):
 
 
 def make_seq(rid, prompt_len, max_tokens=64):
-    return Sequence(request_id=rid, token_ids=[10 + i for i in range(prompt_len)], params=SamplingParams(max_tokens))
+    """Prompts differ from the first token, so that the prefix cache shares nothing between them
+    (tests/engine/test_prefix_caching.py is where it does)."""
+    base = 10 + 1000 * (zlib.crc32(rid.encode()) % 1000)
+    return Sequence(request_id=rid, token_ids=[base + i for i in range(prompt_len)], params=SamplingParams(max_tokens))
 
 
 def apply_step(out, accepted=None):

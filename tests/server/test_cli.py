@@ -57,6 +57,16 @@ def test_reliability_options_have_flags_variables_and_safe_defaults(monkeypatch,
             parse_config(["serve", "--model", "org/m", *bad])
 
 
+def test_prefix_caching_is_on_unless_a_flag_a_variable_or_the_yaml_turns_it_off(monkeypatch, tmp_path):
+    assert parse_config(["serve", "--model", "org/m"]).engine_config().prefix_caching is True
+    assert parse_config(["serve", "--model", "org/m", "--no-prefix-caching"]).engine_config().prefix_caching is False
+    path = tmp_path / "c.yaml"
+    path.write_text("model: org/m\nprefix-caching: false\n")
+    assert parse_config(["serve", "--config", str(path)]).prefix_caching is False
+    monkeypatch.setenv("SPECD_PREFIX_CACHING", "false")
+    assert parse_config(["serve", "--model", "org/m"]).prefix_caching is False
+
+
 def test_the_serving_guide_lists_every_serve_option():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     flags = {o for a in serve._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
