@@ -24,6 +24,8 @@ class StepTotals:
     accepted_tokens: int = 0
     preempted: int = 0
     decoding: int = 0  # decoding sequence-steps: the denominator of the mean k
+    prefix_queries: int = 0  # admitted tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of those, found there
 
     def add(self, step: StepStats, sign: int = 1) -> None:
         self.steps += sign
@@ -34,6 +36,8 @@ class StepTotals:
         self.accepted_tokens += sign * step.num_accepted_tokens
         self.preempted += sign * step.num_preempted
         self.decoding += sign * step.num_decoding
+        self.prefix_queries += sign * step.prefix_cache_queries
+        self.prefix_hits += sign * step.prefix_cache_hits
 
     @property
     def acceptance_rate(self) -> float:

@@ -63,6 +63,8 @@ def test_stats_line_reports_the_interval_rates():
         "mean accepted length 4.00, k 4.00 | KV cache 12.5%"
     )
     assert log.log_once(2.0) is None, "the totals restart after each line"
+    log.observe_step(step_stats(num_prompt_tokens=16, prefix_cache_queries=64, prefix_cache_hits=48), [])
+    assert log.log_once(1.0).endswith("| KV cache 25.0%, prefix cache hits 75.0%")
 
 
 def _request_records(caplog) -> list[str]:
