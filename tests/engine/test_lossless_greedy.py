@@ -10,6 +10,7 @@ from tests.engine.lossless import MAX_NEW, Reference, assert_same_as_target, pro
 from tests.tiny_models import ARCHS
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+WARM_BLOCK = 4  # small enough that the 5- to 10-token prompts fill blocks the prefix cache can share
 
 
 @pytest.fixture(scope="module")
@@ -18,13 +19,25 @@ def references(model_sets) -> dict[str, Reference]:
 
 
 def run_batches(llm: LLM, ref: Reference, prompts: list[list[int]], label: str) -> None:
-    """Batch 1 (two prompts, one at a time), batch 3 and batch 8 through the same engine."""
+    """Batch 1 (two prompts, one at a time), batch 3 and batch 8 through the same engine. With blocks
+    of 4 tokens the later batches find the earlier prompts' blocks in the prefix cache: the matrix
+    runs with the cache warm."""
+    engine, hits, step = llm.engine, [0], llm.engine.step
+
+    def counted_step():  # noqa: ANN202
+        outputs = step()
+        hits[0] += engine.last_step.prefix_cache_hits if engine.last_step else 0
+        return outputs
+
+    engine.step = counted_step
     for batch in ([prompts[0]], [prompts[5]], prompts[1:4], prompts):
         outs = llm.generate(batch, GREEDY)
         for prompt, out in zip(batch, outs):
             assert_same_as_target(ref, prompt, out.token_ids, f"{label} batch={len(batch)}")
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks, f"{label}: blocks leaked after the batch finished"
+    if engine.block_manager.block_size == WARM_BLOCK:
+        assert hits[0] > 0, f"{label}: nothing came from the prefix cache"
 
 
 @pytest.mark.parametrize("k", [1, 4, 8, None], ids=lambda k: f"k={k if k is not None else 'adaptive'}")
@@ -39,6 +52,7 @@ def test_greedy_speculation_equals_target_alone(arch, method, k, model_sets, ref
         num_speculative_tokens=k,
         dtype="float32",
         device="cpu",
+        block_size=WARM_BLOCK,
     )
     run_batches(llm, references[arch], prompts_for(tokenizer_dir), f"{arch}/{method}/k={k}")
     if k is not None:
@@ -48,7 +62,7 @@ def test_greedy_speculation_equals_target_alone(arch, method, k, model_sets, ref
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_without_speculation_equals_target_alone(arch, model_sets, references, tokenizer_dir):
     ms = model_sets[arch]
-    llm = LLM(model=str(ms.target), speculative_method="none", dtype="float32", device="cpu")
+    llm = LLM(model=str(ms.target), speculative_method="none", dtype="float32", device="cpu", block_size=WARM_BLOCK)
     run_batches(llm, references[arch], prompts_for(tokenizer_dir), f"{arch}/none")
 
 

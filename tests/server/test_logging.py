@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(60)
 LINE = re.compile(
     r"generation [\d.]+ tok/s, prefill [\d.]+ tok/s \| running \d+, waiting \d+ \| "
     r"(acceptance [\d.]+%, mean accepted length [\d.]+|acceptance -), k [\d.]+ \| KV cache [\d.]+%"
+    r"(, prefix cache hits [\d.]+%)?"
 )
 SECRET = "def secret_prompt_text():"
 
