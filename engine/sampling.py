@@ -15,11 +15,39 @@ from engine.sequence import Sequence
 @dataclass(frozen=True)
 class RowSpec:
     """What one row of logits needs to be processed: its request's params, the generated tokens
-    in its context (for penalties), and the token ids that may not end it yet (min_tokens)."""
+    in its context (for penalties: ``counts`` of those already counted, plus ``output_tokens`` not in
+    them, such as the drafts before a verify row), and the token ids that may not end it yet (min_tokens)."""
 
     params: SamplingParams
     output_tokens: Seq[int]
     banned: Seq[int] = ()
+    counts: torch.Tensor | None = None  # [V]
+
+
+@dataclass
+class GeneratedCounts:
+    """How often each token occurs in a request's output, kept on its Sequence and brought up to date
+    with only the tokens appended since, so penalties cost O(new tokens) per step, not O(output)."""
+
+    counts: torch.Tensor  # [V] float32
+    upto: int = 0  # output tokens counted
+
+
+def generated_counts(seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:
+    """[V] counts of the sequence's generated tokens (ids past the vocabulary count as its last id)."""
+    # One per (vocabulary, device): a target split across devices and its draft may need both.
+    per_device = seq.generated_counts
+    if not isinstance(per_device, dict):
+        per_device = seq.generated_counts = {}
+    state = per_device.get((vocab, str(device)))
+    if state is None:
+        state = per_device[(vocab, str(device))] = GeneratedCounts(torch.zeros(vocab, device=device))
+    start = seq.num_prompt_tokens + state.upto
+    new = [min(t, vocab - 1) for t in seq.token_ids[start:]]
+    if new:
+        state.counts.index_add_(0, torch.tensor(new, device=device), state.counts.new_ones(len(new)))
+        state.upto += len(new)
+    return state.counts
 
 
 def process_logits(logits: torch.Tensor, rows: list[RowSpec]) -> torch.Tensor:
@@ -30,9 +58,12 @@ def process_logits(logits: torch.Tensor, rows: list[RowSpec]) -> torch.Tensor:
     dev = logits.device
     if any(r.params.uses_penalties for r in rows):
         # OpenAI: logit -= frequency * count + presence * (count > 0), over generated tokens.
+        counts = torch.zeros(R, V, device=dev)  # [R, V]
+        kept = [i for i, r in enumerate(rows) if r.params.uses_penalties and r.counts is not None]
+        if kept:
+            counts[torch.tensor(kept, device=dev)] = torch.stack([rows[i].counts for i in kept])  # type: ignore[misc]
         row_of = [i for i, r in enumerate(rows) if r.params.uses_penalties for _ in r.output_tokens]
         token = [min(t, V - 1) for r in rows if r.params.uses_penalties for t in r.output_tokens]
-        counts = torch.zeros(R, V, device=dev)  # [R, V]
         if row_of:
             index = (torch.tensor(row_of, device=dev), torch.tensor(token, device=dev))
             counts.index_put_(index, torch.ones(len(row_of), device=dev), accumulate=True)
@@ -100,13 +131,16 @@ def logprobs_of(
     return chosen, top_v, top_i
 
 
-def row_spec(seq: Sequence, extra: Seq[int], eos_ids: Seq[int]) -> RowSpec:
-    """The row that predicts the token after ``seq.token_ids + extra`` (extra = drafts before it)."""
+def row_spec(seq: Sequence, extra: Seq[int], eos_ids: Seq[int], vocab: int, device: torch.device) -> RowSpec:
+    """The row that predicts the token after ``seq.token_ids + extra`` (extra = drafts before it),
+    for logits of ``vocab`` columns on ``device``."""
     p = seq.params
     num_output = seq.num_output_tokens + len(extra)
     banned: tuple[int, ...] = ()
     if num_output < p.min_tokens:
         # min_tokens: the target alone could not end here, so neither can the speculative path.
         banned = (*(() if p.ignore_eos else eos_ids), *p.stop_token_ids)
-    output = [*seq.output_token_ids, *extra] if p.uses_penalties else ()
-    return RowSpec(params=p, output_tokens=output, banned=banned)
+    if not p.uses_penalties:
+        return RowSpec(params=p, output_tokens=(), banned=banned)
+    counts = generated_counts(seq, vocab, device)
+    return RowSpec(params=p, output_tokens=tuple(extra), banned=banned, counts=counts)

@@ -75,6 +75,7 @@ class Sequence:
     text: TextState = field(default_factory=TextState)
     draft: DraftState = field(default_factory=DraftState)
     prefix: PrefixState = field(default_factory=PrefixState)
+    generated_counts: object | None = None  # engine.sampling.generated_counts' cache, for penalties; no torch here
     audit: AuditCase | None = None  # set on an audit's own sequence, which runs in the background
 
     @property

@@ -52,7 +52,7 @@ class DraftModelSource:
         self, logits: torch.Tensor, reqs: list[DraftRequest], drafted: list[list[int]]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each row's next draft, and q where verification needs it. logits [a, V] -> (tokens [a], q [a, V] | None)."""
-        specs = [row_spec(r.seq, d, self.eos_ids) for r, d in zip(reqs, drafted)]
+        specs = [row_spec(r.seq, d, self.eos_ids, logits.shape[-1], logits.device) for r, d in zip(reqs, drafted)]
         logits = process_logits(logits, specs)
         picked = logits.argmax(-1)  # [a]
         if all(r.seq.params.greedy for r in reqs):

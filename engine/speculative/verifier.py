@@ -55,7 +55,7 @@ class Verifier:
         dev, V = logits.device, logits.shape[-1]
         ks = [len(d) for d in drafts]
         B, K = len(seqs), max(ks)
-        specs = [row_spec(s, d[:j], self.eos_ids) for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+        specs = [row_spec(s, d[:j], self.eos_ids, V, dev) for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
         processed = process_logits(logits, specs)  # [R, V]
         # Row of (sequence b, position j) in the flat logits; padding positions repeat the last row.
         ks_t = torch.tensor(ks, device=dev)  # [B]

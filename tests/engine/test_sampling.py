@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ from scipy.stats import chisquare
 from engine.sampling import RowSpec, logprobs_of, probs_from_logits, process_logits, row_spec, sample_from
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+
+CPU = torch.device("cpu")
 
 P4 = [0.5, 0.3, 0.15, 0.05]
 
@@ -174,12 +177,30 @@ def test_process_logits_never_modifies_its_input():
 def test_row_spec_bans_eos_and_stop_token_ids_until_min_tokens():
     params = SamplingParams(min_tokens=3, stop_token_ids=[9], presence_penalty=0.5)
     seq = Sequence("r", [1, 2, 3, 4], params, num_prompt_tokens=2)  # two tokens generated
-    assert set(row_spec(seq, [], eos_ids=[0]).banned) == {0, 9}
-    spec = row_spec(seq, [7], eos_ids=[0])  # the row after one draft: three generated, may end
+    assert set(row_spec(seq, [], [0], 10, CPU).banned) == {0, 9}
+    spec = row_spec(seq, [7], [0], 10, CPU)  # the row after one draft: three generated, may end
     assert spec.banned == ()
-    assert list(spec.output_tokens) == [3, 4, 7]
+    assert list(spec.output_tokens) == [7] and spec.counts is not None  # the draft; 3 and 4 are counted
+    assert spec.counts.tolist() == [0, 0, 0, 1, 1, 0, 0, 0, 0, 0]
     ignore = Sequence("r", [1, 2], SamplingParams(min_tokens=3, ignore_eos=True, stop_token_ids=[9]))
-    assert list(row_spec(ignore, [], eos_ids=[0]).banned) == [9]
+    assert list(row_spec(ignore, [], [0], 10, CPU).banned) == [9]
+
+
+def test_penalty_counts_are_kept_on_the_sequence_and_grow_by_the_new_tokens_only():
+    params = SamplingParams(frequency_penalty=0.5)
+    seq = Sequence("r", [1, 2], params)
+    rnd = random.Random(3)
+    for _ in range(6):
+        seq.token_ids.extend(rnd.randrange(12) for _ in range(rnd.randrange(1, 5)))  # a step's tokens
+        counts = row_spec(seq, [], [0], 8, CPU).counts  # ids past the vocabulary count as its last id
+        want = torch.bincount(torch.tensor([min(t, 7) for t in seq.output_token_ids]), minlength=8).float()
+        torch.testing.assert_close(counts, want)
+    assert row_spec(seq, [], [0], 8, CPU).counts is counts, "the same tensor, updated in place"
+    # Penalised rows read the kept counts plus their own drafts: the same logits as counting from scratch.
+    logits = torch.randn(2, 8)
+    kept = process_logits(logits, [row_spec(seq, [5], [0], 8, CPU), RowSpec(SamplingParams(), ())])
+    scratch = process_logits(logits, [RowSpec(params, [*seq.output_token_ids, 5]), RowSpec(SamplingParams(), ())])
+    torch.testing.assert_close(kept, scratch)
 
 
 # ---- sampling -----------------------------------------------------------------------------------
