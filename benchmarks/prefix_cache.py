@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Prefix caching on the embedded pair: TTFT and throughput with the cache on and off, side by side.
 
-    python benchmarks/prefix_cache.py                # ~5 min on 2 cores
+    python benchmarks/prefix_cache.py                # ~6 min on 2 cores
     python benchmarks/prefix_cache.py --rounds 1     # a quick look
 
 Two engines (hybrid speculation, the server's default; one with --no-prefix-caching) load the same
@@ -14,9 +14,9 @@ the pair never saw). Three workloads:
                once per round before timing (warm); TTFT is arrival to the first token.
   chat replay  a five-turn conversation: each turn's prompt is the previous prompt, the model's
                answer (48 tokens) and 40 new tokens; TTFT of turns 2-5 (turn 1 has nothing cached).
-  no reuse     8 concurrent requests of 96-token prompts that share nothing (fresh text every
-               round), 64 new tokens each: throughput, the cost of hashing and registering blocks
-               that are never reused.
+  no reuse     three groups of 8 concurrent requests of 96-token prompts that share no block
+               (fresh text every round), 64 new tokens each: throughput, the cost of hashing and
+               registering blocks that are never reused.
 
 The TTFT bound is the prompt's length over what is left to compute once the cache holds every full
 block before the last token (the step that samples must compute at least one token). Writes
@@ -48,7 +48,7 @@ from engine.llm_engine import LLMEngine  # noqa: E402
 PAIR = ROOT / "models" / "default"
 PREFIX, TAIL, FEW_SHOT_NEW = 384, 16, 32
 TURNS, TURN_NEW, ANSWER = 5, 40, 48
-NO_REUSE_N, NO_REUSE_PROMPT, NO_REUSE_NEW = 8, 96, 64
+NO_REUSE_N, NO_REUSE_GROUPS, NO_REUSE_PROMPT, NO_REUSE_NEW = 8, 3, 96, 64
 
 
 @dataclass(frozen=True)
@@ -108,14 +108,33 @@ def chat(engine: LLMEngine, text: list[int], r: int, rounds: int) -> Run:
 
 
 def no_reuse(engine: LLMEngine, snippets: list[list[int]], r: int) -> Run:
-    prompts = [s[:NO_REUSE_PROMPT] for s in snippets[r * NO_REUSE_N : (r + 1) * NO_REUSE_N]]
-    run, _ = drive(engine, prompts, NO_REUSE_NEW, False)
-    return run
+    per_round = NO_REUSE_N * NO_REUSE_GROUPS
+    ttft, tokens, seconds, hits, queries = [], 0, 0.0, 0, 0
+    for g in range(NO_REUSE_GROUPS):
+        start = r * per_round + g * NO_REUSE_N
+        run, _ = drive(engine, [s[:NO_REUSE_PROMPT] for s in snippets[start : start + NO_REUSE_N]], NO_REUSE_NEW, False)
+        ttft, tokens, seconds = ttft + run.ttft, tokens + run.tokens, seconds + run.seconds
+        hits, queries = hits + run.hits, queries + run.queries
+    return Run(ttft, tokens, seconds, hits, queries)
+
+
+def distinct_snippets(tok: object, n: int, avoid: list[int]) -> list[list[int]]:
+    """n prompts of NO_REUSE_PROMPT tokens, no two with the same first block and none starting like
+    ``avoid`` (the other workloads' text: the held-out files are cut from the same starting points)."""
+    out, seen = [], {tuple(avoid[i : i + 16]) for i in range(len(avoid) - 15)}
+    for s in _snippets(tok, 2 * n, NO_REUSE_PROMPT):
+        ids = tok.encode(s)[:NO_REUSE_PROMPT]  # type: ignore[attr-defined]
+        if tuple(ids[:16]) not in seen:
+            seen.add(tuple(ids[:16]))
+            out.append(ids)
+    if len(out) < n:
+        raise SystemExit(f"only {len(out)} distinct held-out snippets, need {n}")
+    return out[:n]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--pair", type=Path, default=PAIR)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "prefix_cache.json")
     ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "prefix_cache.png")
@@ -131,7 +150,7 @@ def main() -> None:
     # One long stretch for the few-shot and chat workloads (each round takes fresh tails and turns),
     # and distinct snippets for the workload without reuse.
     long_text = [t for s in _snippets(tok, 12, 220) for t in tok.encode(s + "\n")]
-    snippets = [tok.encode(s) for s in _snippets(tok, NO_REUSE_N * (args.rounds + 1), NO_REUSE_PROMPT)]
+    snippets = distinct_snippets(tok, NO_REUSE_N * NO_REUSE_GROUPS * (args.rounds + 1), long_text)
     need = PREFIX + TAIL * 6 * args.rounds + TURNS * TURN_NEW * args.rounds
     if len(long_text) < need:
         raise SystemExit(f"held-out text too short: {len(long_text)} tokens, need {need}")
@@ -188,7 +207,7 @@ def report(runs: dict[str, dict[bool, list[Run]]], args: argparse.Namespace) -> 
         )
     print("\n" + "\n".join(table))
     meta = {"rounds": args.rounds, "cpu_threads": torch.get_num_threads(), "machine": platform.platform(),
-            "command": "python benchmarks/prefix_cache.py" + (f" --rounds {args.rounds}" if args.rounds != 3 else "")}
+            "command": "python benchmarks/prefix_cache.py" + (f" --rounds {args.rounds}" if args.rounds != 5 else "")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {args.out}")
