@@ -24,8 +24,8 @@ Every system loads the same weights in the same dtype (float32 on CPU, bfloat16 
 process's default thread count (--threads for llama.cpp, whose own default is not that). Without a
 llama-server binary, or on a GPU, the llama.cpp systems are left out with a message.
 
-    python benchmarks/compare.py --sets code --concurrency 1 8 32 --rounds 2 \
-        --systems "specd adaptive" "specd draft" "specd none" "llama.cpp spec" "llama.cpp none" \
+    python benchmarks/compare.py --sets code --concurrency 1 8 32 --rounds 3 --systems "specd adaptive" \
+        "specd adaptive compiled" "specd draft" "specd none" "llama.cpp spec" "llama.cpp none" \
         --out benchmarks/results/compare_llamacpp.json --section "Against llama.cpp's server"
 
 Workload: greedy, 128 new tokens (or until EOS, the same for everyone since greedy output is
@@ -33,11 +33,13 @@ the same), streamed completions; batch 1 (requests one after another) and concur
 (with 2x that many requests). generate() takes one sequence at a time, so it runs at batch 1 only.
 Two prompt sets (benchmarks/peer_bench/prompts.py): code completion, and an input-grounded editing
 task where the output copies the prompt. Rounds interleave the systems, so machine noise hits all
-of them alike; ratios against specd none are medians of per-round ratios.
+of them alike; ratios against specd none are medians of per-round ratios. Each run also records the
+share of the machine's CPU time other processes took meanwhile (from /proc); above --max-others-cpu
+the run is measured again once the machine is quiet, since one busy spell skews one run alone.
 
 Per (set, concurrency, system): tokens/s (output tokens, recounted from the text with the target's
 tokenizer, over the run's wall time), TTFT p50, TPOT p50/p99 ((latency - TTFT) / (tokens - 1) per
-request), acceptance (specd: from /metrics), tokens per target forward, whether the text equals
+request), acceptance (specd, llama.cpp: from /metrics), tokens per target forward, whether the text equals
 specd none's, and for specd's speculative runs the bound E(a,k)/(1+kc) from the measured acceptance
 and costs (peer_bench/report.py says how). Writes benchmarks/results/compare.json, docs/compare.md
 and the plots docs/compare_throughput.png and docs/compare_bound.png; with --section, a "## TITLE"
@@ -85,6 +87,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compare.json")
     ap.add_argument("--docs", type=Path, default=ROOT / "docs", help="where compare.md and the plots go")
     ap.add_argument("--section", help="write a '## SECTION' of compare.md, keeping the rest of the file")
+    ap.add_argument("--max-others-cpu", type=float, default=0.1,
+                    help="measure a run again, once the machine is quiet, when other processes took more than this "
+                         "share of its CPU time meanwhile (default 0.1; 1 to never)")
+    ap.add_argument("--attempts", type=int, default=3, help="most measurements of one run (default 3)")
     args = ap.parse_args()
 
     chosen = choose_systems(args, ap)
@@ -114,11 +120,12 @@ def main() -> None:
                     for r in order:
                         if r.system.kind == "generate" and conc > 1:
                             continue
-                        run = client.run(r, batch, args.max_tokens, conc)
+                        run = measure(r, batch, conc, args)
                         rows.append(row_of(rnd, name, conc, r.system.name, run, tok))
                         x = rows[-1]
                         print(f"round {rnd + 1}/{args.rounds} {name:5s} c{conc:<3d} {r.system.name:24s} "
-                              f"{x['tokens_per_s']:8.1f} tok/s  ttft p50 {report.pct(x['ttft_ms'], 50):7.1f} ms"
+                              f"{x['tokens_per_s']:8.1f} tok/s  ttft p50 {report.pct(x['ttft_ms'], 50):7.1f} ms  "
+                              f"others' cpu {report.fmt(x['foreign_cpu'], '4.0%')}"
                               + (f"  {x['failed']} FAILED: {x['errors'][:1]}" if x["failed"] else ""), flush=True)
     finally:
         for r in running:
@@ -130,7 +137,8 @@ def main() -> None:
     title = (f"{Path(args.target).name} + {Path(args.draft).name}, greedy, {args.max_tokens} new tokens, "
              f"{args.rounds} rounds, {machine}")
     versus = report.versus(rows)
-    text = report.table(lines) + (f"\n\n{report.versus_table(versus)}" if versus else "")
+    text = (report.table(lines) + (f"\n\n{report.versus_table(versus)}" if versus else "")
+            + f"\n\n{report.noise(rows)}")
     print("\n" + title + "\n\n" + text)
     for r in rows:
         r.pop("texts")
@@ -143,6 +151,20 @@ def main() -> None:
     body = f"`{command}`\n\n{title}\n\n{text}\n\n" + "".join(f"![{p.stem}]({p.name})\n" for p in pngs)
     write_md(args.docs / "compare.md", body, args.section)
     print(f"\nwrote {args.out}, {args.docs / 'compare.md'}, " + ", ".join(map(str, pngs)))
+
+
+def measure(r: Running, batch: list[str], conc: int, args: argparse.Namespace) -> client.Run:
+    """One run; measured again, after waiting for a quiet machine, while other processes took more than
+    --max-others-cpu of the CPU during it. Interleaving spreads noise over the systems, but a busy
+    spell during one run skews that run alone."""
+    for attempt in range(1, max(1, args.attempts) + 1):
+        run = client.run(r, batch, args.max_tokens, conc)
+        if run.foreign_cpu is None or run.foreign_cpu <= args.max_others_cpu or attempt == args.attempts:
+            return run
+        print(f"  {r.system.name} c{conc}: other processes took {run.foreign_cpu:.0%} of the CPU; waiting for a "
+              f"quiet machine to measure again", flush=True)
+        client.wait_quiet(args.max_others_cpu, 600)
+    return run
 
 
 def choose_systems(args: argparse.Namespace, ap: argparse.ArgumentParser) -> list[System]:
@@ -193,6 +215,7 @@ def row_of(rnd: int, name: str, conc: int, system: str, run: client.Run, tok: ob
         "ttft_ms": [x.ttft * 1e3 for x in ok],
         "tpot_ms": [(x.latency - x.ttft) / (n - 1) * 1e3 for x, n in zip(ok, counts, strict=True) if n > 1],
         "counters": run.counters, "texts": [x.text if x.ok else None for x in run.results], "same_text": None,
+        "foreign_cpu": run.foreign_cpu,
     }
     if ok and "target_forwards" in ok[0].usage:
         row["hf_forwards"] = [sum(x.usage["target_forwards"] for x in ok), sum(x.usage["draft_forwards"] for x in ok)]

@@ -4,7 +4,8 @@
 #   benchmarks/llamacpp/build.sh                     # sdist from PyPI into the cache, build there
 #   LLAMACPP_SRC=/path/to/llama_cpp_python-0.3.36 benchmarks/llamacpp/build.sh
 #
-# LLAMACPP_SRC    the unpacked sdist, or llama.cpp itself (default: download and unpack into the cache)
+# LLAMACPP_SRC    the unpacked sdist, or llama.cpp itself (default: the source the build directory was
+#                 configured from, else the sdist downloaded and unpacked into the cache)
 # LLAMACPP_BUILD  the build directory (default: ~/.cache/specd/llama.cpp); the binary is bin/llama-server
 # JOBS            parallel compile jobs (default: 2)
 # Needs cmake and a C++ compiler (Debian: apt-get install cmake g++). Safe to re-run: it only rebuilds
@@ -18,6 +19,11 @@ JOBS="${JOBS:-2}"
 PY="${PYTHON:-$(dirname "$0")/../../.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 
+# A build directory stays with the source it was configured from (cmake refuses another).
+if [ -z "${LLAMACPP_SRC:-}" ] && [ -f "$BUILD/CMakeCache.txt" ]; then
+    LLAMACPP_SRC="$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$BUILD/CMakeCache.txt")"
+    [ -d "$LLAMACPP_SRC" ] || LLAMACPP_SRC=""
+fi
 if [ -z "${LLAMACPP_SRC:-}" ]; then
     LLAMACPP_SRC="$CACHE/llama_cpp_python-$VERSION"
     if [ ! -d "$LLAMACPP_SRC" ]; then

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -25,6 +26,24 @@ class Run:
     results: list[Result]
     seconds: float  # first request sent to last response done
     counters: dict[str, float]  # specd's counter increments over the run ({} for other systems)
+    foreign_cpu: float | None = None  # share of the machine's CPU time other processes took meanwhile
+
+
+def cpu_ticks(pids: list[int]) -> tuple[int, int, int]:
+    """(all, busy, the processes' own) CPU ticks so far, from /proc; zeros where it cannot be read.
+    Noise from other work on the machine shows as busy ticks that are not the processes' own."""
+    try:
+        with open("/proc/stat") as f:
+            cpu = [int(x) for x in f.readline().split()[1:]]
+        own = 0
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            own += int(fields[11]) + int(fields[12])  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return 0, 0, 0
+    idle = cpu[3] + (cpu[4] if len(cpu) > 4 else 0)  # idle, iowait
+    return sum(cpu[:8]), sum(cpu[:8]) - idle, own  # guest time is already counted in user
 
 
 def scrape(base_url: str) -> dict[str, float]:
@@ -54,7 +73,29 @@ async def _serve(base_url: str, model: str, prompts: list[str], max_tokens: int,
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
+def wait_quiet(share: float, timeout: float) -> bool:
+    """Wait, up to timeout seconds, for a 2-second window in which the machine is less than share busy
+    (this process and idle servers count too); whether it came."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        a = cpu_ticks([])
+        time.sleep(2.0)
+        total, busy, _ = (y - x for x, y in zip(a, cpu_ticks([]), strict=True))
+        if total <= 0 or busy / total < share:
+            return True
+    return False
+
+
 def run(system: Running, prompts: list[str], max_tokens: int, concurrency: int) -> Run:
+    pids = [os.getpid(), system.proc.pid]
+    ticks = cpu_ticks(pids)
+    out = _run(system, prompts, max_tokens, concurrency)
+    total, busy, own = (b - a for a, b in zip(ticks, cpu_ticks(pids), strict=True))
+    out.foreign_cpu = max(0.0, busy - own) / total if total > 0 else None
+    return out
+
+
+def _run(system: Running, prompts: list[str], max_tokens: int, concurrency: int) -> Run:
     if system.system.kind == "generate":
         assert concurrency == 1, "generate() systems run one sequence at a time"
         t0 = time.perf_counter()

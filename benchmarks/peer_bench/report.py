@@ -10,7 +10,8 @@ from engine_bench.bound import alpha_geo, expected  # benchmarks/ is on sys.path
 BASELINE = "specd none"
 # Head-to-head ratios, specd over a peer, each round's pair measured side by side.
 VERSUS = (("specd adaptive", "llama.cpp spec"), ("specd adaptive compiled", "llama.cpp spec"),
-          ("specd draft", "llama.cpp spec"), ("specd none", "llama.cpp none"), ("llama.cpp spec", "llama.cpp none"))
+          ("specd draft", "llama.cpp spec"), ("specd none", "llama.cpp none"), ("specd adaptive", "llama.cpp none"),
+          ("llama.cpp spec", "llama.cpp none"))
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -108,6 +109,15 @@ def versus_table(lines: list[dict]) -> str:
     body = [f"| {x['set']} | {x['concurrency']} | {x['a']} | {x['a_tokens_per_s']:.1f} | {x['b']} "
             f"| {x['b_tokens_per_s']:.1f} | {x['ratio']:.2f} |" for x in lines]
     return head + "\n" + "\n".join(body)
+
+
+def noise(rows: list[dict]) -> str:
+    """How much of the machine other processes took while the runs were measured."""
+    shares = sorted(r["foreign_cpu"] for r in rows if r.get("foreign_cpu") is not None)
+    if not shares:
+        return "Other processes' CPU share during the runs: not measured (no /proc)."
+    return (f"Other processes' share of the machine's CPU time during the measured runs: median "
+            f"{pct(shares, 50):.0%}, p90 {pct(shares, 90):.0%}, max {shares[-1]:.0%} ({len(shares)} runs).")
 
 
 def fmt(v: object, spec: str) -> str:

@@ -31,10 +31,11 @@ class System:
 
 LLAMACPP = ("llama.cpp spec", "llama.cpp none")
 # llama.cpp's draft settings. --spec-type must be given: with only -md, this llama.cpp loads the draft
-# and never drafts. Up to specd's most drafts per step (max_speculative_tokens, 8); drafting stops early
-# when the draft's top token is less likely than p-min, llama.cpp's way of adapting the draft length.
-LLAMACPP_DRAFT = ("--spec-type", "draft-simple", "--spec-draft-n-max", "8", "--spec-draft-n-min", "0",
-                  "--spec-draft-p-min", "0.5")
+# and never drafts. The rest are llama.cpp's defaults, spelled out: 3 drafts per step at most, drafting
+# never cut short by the draft's confidence (p-min 0). On the embedded pair they beat n-max 4 and 8 and
+# p-min 0.5/0.75 at concurrency 8 and tied them at 1 (docs/compare.md, "Against llama.cpp's server").
+LLAMACPP_DRAFT = ("--spec-type", "draft-simple", "--spec-draft-n-max", "3", "--spec-draft-n-min", "0",
+                  "--spec-draft-p-min", "0.0")
 
 
 def systems(target: str, draft: str, device: str) -> list[System]:
@@ -70,15 +71,17 @@ def llamacpp_missing(device: str) -> str | None:
     return None
 
 
-def llamacpp_systems(target: str, draft: str, threads: int, slots: int, max_model_len: int = 512) -> list[System]:
+def llamacpp_systems(target: str, draft: str, threads: int, slots: int,
+                     draft_settings: tuple[str, ...] = LLAMACPP_DRAFT) -> list[System]:
     """llama-server with and without the draft, converting both checkpoints to GGUF on first use.
-    One slot per concurrent request, each with the pair's context; greedy comes from the request
+    One slot per concurrent request, each with the target's context; greedy comes from the request
     (temperature 0), as for every other system."""
     from llamacpp.convert import gguf_for, server_binary
 
+    max_model_len = json.loads((Path(target) / "config.json").read_text()).get("max_position_embeddings", 2048)
     common = ("-m", str(gguf_for(target)), "-t", str(threads), "-tb", str(threads), "--parallel", str(slots),
               "-c", str(slots * max_model_len), "--no-kv-unified", "--metrics", "--no-webui", "-lv", "2")
-    spec = ("-md", str(gguf_for(draft)), "-td", str(threads), "-tbd", str(threads), *LLAMACPP_DRAFT)
+    spec = ("-md", str(gguf_for(draft)), "-td", str(threads), "-tbd", str(threads), *draft_settings)
     binary = str(server_binary())
     return [System("llama.cpp spec", "server", (*common, *spec), binary=binary),
             System("llama.cpp none", "server", common, binary=binary)]
