@@ -98,6 +98,7 @@ def test_a_small_comparison_runs_end_to_end_and_every_system_writes_the_same_tex
     monkeypatch.setattr(sys, "argv", [
         "compare.py", "--systems", *systems, "--sets", "edit", "--concurrency", "1", "2", "--prompts", "2",
         "--max-tokens", "8", "--rounds", "1", "--out", str(out), "--docs", str(docs),
+        "--attempts", "1",  # measure once: a test never waits for a quiet machine
     ])
     compare.main()
     summary = json.loads(out.read_text())["summary"]
