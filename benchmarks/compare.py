@@ -120,7 +120,7 @@ def main() -> None:
                     for r in order:
                         if r.system.kind == "generate" and conc > 1:
                             continue
-                        run = measure(r, batch, conc, args)
+                        run = client.measure(r, batch, args.max_tokens, conc, args.max_others_cpu, args.attempts)
                         rows.append(row_of(rnd, name, conc, r.system.name, run, tok))
                         x = rows[-1]
                         print(f"round {rnd + 1}/{args.rounds} {name:5s} c{conc:<3d} {r.system.name:24s} "
@@ -151,20 +151,6 @@ def main() -> None:
     body = f"`{command}`\n\n{title}\n\n{text}\n\n" + "".join(f"![{p.stem}]({p.name})\n" for p in pngs)
     write_md(args.docs / "compare.md", body, args.section)
     print(f"\nwrote {args.out}, {args.docs / 'compare.md'}, " + ", ".join(map(str, pngs)))
-
-
-def measure(r: Running, batch: list[str], conc: int, args: argparse.Namespace) -> client.Run:
-    """One run; measured again, after waiting for a quiet machine, while other processes took more than
-    --max-others-cpu of the CPU during it. Interleaving spreads noise over the systems, but a busy
-    spell during one run skews that run alone."""
-    for attempt in range(1, max(1, args.attempts) + 1):
-        run = client.run(r, batch, args.max_tokens, conc)
-        if run.foreign_cpu is None or run.foreign_cpu <= args.max_others_cpu or attempt == args.attempts:
-            return run
-        print(f"  {r.system.name} c{conc}: other processes took {run.foreign_cpu:.0%} of the CPU; waiting for a "
-              f"quiet machine to measure again", flush=True)
-        client.wait_quiet(args.max_others_cpu, 600)
-    return run
 
 
 def choose_systems(args: argparse.Namespace, ap: argparse.ArgumentParser) -> list[System]:

@@ -95,6 +95,21 @@ def run(system: Running, prompts: list[str], max_tokens: int, concurrency: int) 
     return out
 
 
+def measure(system: Running, prompts: list[str], max_tokens: int, concurrency: int, max_others_cpu: float,
+            attempts: int) -> Run:
+    """run(), again after waiting for a quiet machine while other processes took more than
+    max_others_cpu of the CPU during it, at most attempts times. Interleaving rounds spreads noise over
+    the systems, but a busy spell during one run skews that run alone."""
+    for attempt in range(1, max(1, attempts) + 1):
+        out = run(system, prompts, max_tokens, concurrency)
+        if out.foreign_cpu is None or out.foreign_cpu <= max_others_cpu or attempt >= attempts:
+            return out
+        print(f"  {system.system.name} c{concurrency}: other processes took {out.foreign_cpu:.0%} of the CPU; "
+              f"waiting for a quiet machine to measure again", flush=True)
+        wait_quiet(max_others_cpu, 600)
+    return out
+
+
 def _run(system: Running, prompts: list[str], max_tokens: int, concurrency: int) -> Run:
     if system.system.kind == "generate":
         assert concurrency == 1, "generate() systems run one sequence at a time"
