@@ -6,7 +6,9 @@ batch layout as ``specd_attn`` and do two things per layer: write the new K/V in
 then attend each query token to its own sequence's cached K/V with a causal limit.
 
 Sequences with few new tokens (decode and verify steps) are padded into one batched SDPA call;
-long chunks (prefill) get one call each, so padding never multiplies a long prompt's cost.
+long chunks (prefill) get one call each, so padding never multiplies a long prompt's cost. A forward
+in a static bucket shape (engine.graphs) brings ``PaddedMetadata`` instead: every shape fixed by
+the bucket, nothing computed from host values, so it can be captured as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -73,6 +75,24 @@ class AttentionMetadata:
             replica = replace(_moved(self, device), short=short, long=[_moved(s, device) for s in self.long])
             self.replicas[device] = replica
         return replica
+
+
+@dataclass(frozen=True)
+class PaddedMetadata:
+    """A forward of ``G x Q`` tokens (sequence g's token j at row g * Q + j) over ``C`` key positions,
+    shapes fixed by the bucket. Padding tokens write the cache's scratch slot and repeat their
+    sequence's last real position, so their queries see only real keys and never change a real row."""
+
+    cache: PagedKVCache
+    slot_mapping: torch.Tensor  # [G * Q] long
+    positions: torch.Tensor  # [G, Q] long
+    key_slots: torch.Tensor  # [G, C] long: cache slot of key position c, through the block table
+    mask: torch.Tensor  # [G, 1, Q, C] bool: key position <= query position (keys past a context are masked)
+
+    def on(self, device: torch.device) -> PaddedMetadata:
+        if device != self.slot_mapping.device:
+            raise RuntimeError("static-shape forwards run on one device (engine.graphs is off for split models)")
+        return self
 
 
 _Layout = TypeVar("_Layout", "AttentionMetadata", ShortGroup, LongSeq)
@@ -171,6 +191,9 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     if specd_attn is None:
         raise RuntimeError(f"the {ATTN_IMPL!r} attention needs specd_attn metadata: run the model through ModelRunner")
+    if isinstance(specd_attn, PaddedMetadata):
+        return _padded_attention(module.layer_idx, query, key, value, scaling, specd_attn.on(query.device),
+                                 sliding_window), None
     meta = specd_attn.on(query.device)
     layer = module.layer_idx
     k_cache, v_cache = meta.cache.k[layer], meta.cache.v[layer]  # [slots, Hkv, D]
@@ -223,6 +246,34 @@ def paged_attention_forward(
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [1, H, q, D]
         out[s.rows] = o[0].transpose(0, 1)
     return out[None], None  # [1, T, H, Dv], no attention weights
+
+
+def _padded_attention(
+    layer: int,
+    query: torch.Tensor,  # [1, H, G * Q, D]
+    key: torch.Tensor,  # [1, Hkv, G * Q, D]
+    value: torch.Tensor,  # [1, Hkv, G * Q, Dv]
+    scaling: float | None,
+    meta: PaddedMetadata,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Static shapes only: each sequence's queries over its C gathered keys in one SDPA call."""
+    k_cache, v_cache = meta.cache.k[layer], meta.cache.v[layer]  # [slots, Hkv, D]
+    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    G, Q = meta.positions.shape
+    C = meta.key_slots.shape[1]
+    q = query[0].unflatten(1, (G, Q)).transpose(0, 1)  # [G, H, Q, D]
+    flat = meta.key_slots.view(-1)
+    k = k_cache.index_select(0, flat).view(G, C, *k_cache.shape[1:]).transpose(1, 2)  # [G, Hkv, C, D]
+    v = v_cache.index_select(0, flat).view(G, C, *v_cache.shape[1:]).transpose(1, 2)  # [G, Hkv, C, Dv]
+    mask = meta.mask
+    if sliding_window is not None:
+        # Every row, padding too, sees at least the key at its own position: no all-masked row, no NaN.
+        mask = mask & _window(meta.positions, torch.arange(C, device=q.device), sliding_window)[:, None]
+    gqa = query.shape[1] != key.shape[1]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [G, H, Q, Dv]
+    return o.transpose(1, 2).reshape(1, G * Q, o.shape[1], o.shape[3])  # [1, G * Q, H, Dv]
 
 
 def register() -> None:

@@ -31,6 +31,11 @@ class CompiledForward:
         self.failed = False
         self.calls = 0  # forwards that ran compiled
 
+    @property
+    def fn(self) -> Callable[..., Any]:
+        """The compiled model itself, for callers with their own fallback (engine.graphs captures it)."""
+        return self._compiled
+
     def __call__(self, compiled: bool, **inputs: Any) -> Any:
         """``compiled``: the forward is a decode or verify step (short queries only)."""
         if compiled and not self.failed:

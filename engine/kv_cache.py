@@ -21,6 +21,8 @@ class PagedKVCache:
     Slot ``block * block_size + offset`` holds the token at that offset of that block, so a block
     table plus a position gives a slot with arithmetic alone; nothing is ever moved. ``device`` is one
     device, or one per layer for a model split across devices (each layer's cache beside its attention).
+    One slot past the last block, ``scratch_slot``, belongs to no block: padding tokens of a static-shape
+    forward (engine.graphs) write their K/V there, where nothing reads them as context.
     """
 
     def __init__(
@@ -34,13 +36,14 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         slots = num_blocks * block_size
+        self.scratch_slot = slots
         devices = [device] * len(layer_shapes) if isinstance(device, torch.device) else list(device)
         if len(devices) != len(layer_shapes):
             raise ValueError(f"{len(devices)} devices for {len(layer_shapes)} layers")
         self.devices = devices
         shaped = list(zip(layer_shapes, devices))
-        self.k = [torch.zeros(slots, s.num_kv_heads, s.head_dim, dtype=dtype, device=d) for s, d in shaped]
-        self.v = [torch.zeros(slots, s.num_kv_heads, s.v_head_dim, dtype=dtype, device=d) for s, d in shaped]
+        self.k = [torch.zeros(slots + 1, s.num_kv_heads, s.head_dim, dtype=dtype, device=d) for s, d in shaped]
+        self.v = [torch.zeros(slots + 1, s.num_kv_heads, s.v_head_dim, dtype=dtype, device=d) for s, d in shaped]
 
     @staticmethod
     def bytes_per_block(layer_shapes: list[LayerShape], block_size: int, dtype: torch.dtype) -> int:

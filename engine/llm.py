@@ -36,6 +36,7 @@ class LLM:
         audit_fraction: float = 0.0,
         compile: bool = False,
         prefix_caching: bool = True,
+        cuda_graphs: bool | None = None,
     ) -> None:
         if speculative_method is None:
             speculative_method = SpeculativeMethod.HYBRID if draft_model else SpeculativeMethod.NONE
@@ -60,6 +61,7 @@ class LLM:
                 audit_fraction=audit_fraction,
                 compile=compile,
                 prefix_caching=prefix_caching,
+                cuda_graphs=cuda_graphs,
             )
         )
         self._ids = itertools.count()

@@ -10,6 +10,7 @@ from typing import Any
 from transformers import AutoTokenizer, GenerationConfig
 
 from engine.config import EngineConfig
+from engine.graphs import Buckets
 from engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,13 @@ def check_same_tokenizer(target_tok: Any | None, draft_tok: Any | None, target: 
         )
 
 
+def use_cuda_graphs(config: EngineConfig, target: ModelRunner) -> bool:
+    """The config's choice, or by default: on where the target runs on one GPU."""
+    if config.cuda_graphs is None:
+        return target.device.type == "cuda" and not target.split
+    return config.cuda_graphs
+
+
 def load(config: EngineConfig) -> Loaded:
     t0 = time.perf_counter()
     target = ModelRunner(config.model, config.dtype, config.device, config.trust_remote_code, config.device_map,
@@ -111,6 +119,16 @@ def load(config: EngineConfig) -> Loaded:
     for runner in (target, draft):
         if runner is not None:
             runner.warm_up_compiled(config.k_max)
+    if use_cuda_graphs(config, target):
+        buckets = Buckets.for_limits(config.max_num_seqs, config.k_max, max_model_len, config.block_size)
+        for runner in (target, draft):
+            if runner is not None:
+                runner.use_buckets(buckets)
+                assert runner.static is not None
+                seconds = runner.static.capture_all()
+                if seconds:
+                    logger.info("captured %d CUDA graphs of %s in %.1fs", len(runner.static.graphs), runner.name,
+                                seconds)
     logger.info(
         "loaded %s%s on %s (%s) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s); "
         "max_model_len %d",

@@ -11,6 +11,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from engine import attention
 from engine.compiled import CompiledForward, warm_up
 from engine.config import DeviceMap
+from engine.graphs import Buckets, StaticForward
 from engine.kv_cache import LayerShape, PagedKVCache
 from engine.scheduler import ScheduledSeq
 
@@ -99,8 +100,7 @@ class ModelRunner:
                 "transformers' AttentionInterface, so specd cannot run it on a paged KV cache"
             )
         if device_map is None:
-            self.device = resolve_device(device)
-            model = model.to(self.device)
+            model = model.to(resolve_device(device))
         else:
             placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
             if "disk" in placed or ("cpu" in placed and len(placed) > 1):
@@ -110,10 +110,24 @@ class ModelRunner:
                     f"device_map {device_map!r} offloaded part of {path} to CPU or disk (placed on "
                     f"{', '.join(sorted(placed))}): the model does not fit on the GPUs; add GPUs or give a map"
                 )
-            # Inputs go where the embeddings are; accelerate's hooks carry activations on from there.
-            self.device = model.get_input_embeddings().weight.device
+        self._adopt(model, path, split=device_map is not None, compile=compile)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, name: str, compile: bool = False) -> ModelRunner:
+        """A runner around a model already built and placed (benchmarks build random ones of real sizes
+        on the GPU this way, without writing gigabytes of weights to disk first)."""
+        attention.register()
+        runner = cls.__new__(cls)
+        runner.dtype = next(model.parameters()).dtype
+        runner._adopt(model, name, split=False, compile=compile)
+        return runner
+
+    def _adopt(self, model: torch.nn.Module, name: str, split: bool, compile: bool) -> None:
+        archs = ", ".join(getattr(model.config, "architectures", None) or [type(model).__name__])
+        # Inputs go where the embeddings are; a split model's accelerate hooks carry activations on from there.
+        self.device = model.get_input_embeddings().weight.device
         self.model = model.eval()
-        self.split = device_map is not None
+        self.split = split
         head = self.model.get_output_embeddings()
         if head is None:
             raise UnsupportedModelError(f"architecture {archs} has no output embeddings (LM head)")
@@ -128,8 +142,9 @@ class ModelRunner:
         self.layer_shapes = self._probe_layer_shapes()
         self.model.set_attn_implementation(attention.ATTN_IMPL)
         self.cache: PagedKVCache | None = None
-        self.name = path
-        self.compiled = CompiledForward(self.model, path) if compile else None
+        self.static: StaticForward | None = None
+        self.name = name
+        self.compiled = CompiledForward(self.model, name) if compile else None
 
     def _select_rows(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
         if self._keep is None:
@@ -182,6 +197,16 @@ class ModelRunner:
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         self.cache = PagedKVCache(self.layer_shapes, num_blocks, block_size, self.dtype, self.layer_devices)
+        self.static = None
+
+    def use_buckets(self, buckets: Buckets) -> None:
+        """Run short-query forwards padded to ``buckets`` (engine.graphs): CUDA graphs on a GPU, the
+        same padded forward eagerly on CPU. Not for a model split across devices."""
+        assert self.cache is not None, "allocate_cache() first"
+        if self.split:
+            raise ValueError("static buckets and CUDA graphs need the model on one device (no device_map)")
+        call = self.compiled.fn if self.compiled is not None else None
+        self.static = StaticForward(self.model, self.cache, buckets, self.device, self.name, call)
 
     def warm_up_compiled(self, k_max: int) -> float:
         """Compile the layouts decode and verify steps use, before any request: one sequence decoding (a
@@ -216,6 +241,11 @@ class ModelRunner:
         order, its last ``logits_rows[i]`` positions. The LM head runs only on those rows."""
         assert self.cache is not None, "allocate_cache() first"
         ends = [s + len(t) for s, t in zip(batch.starts, batch.token_ids)]
+        bucket = self.static.fits([len(t) for t in batch.token_ids], ends) if self.static is not None else None
+        if bucket is not None:
+            assert self.static is not None
+            return self.static.forward(bucket, batch.token_ids, batch.starts, batch.block_tables, batch.logits_rows,
+                                       batch.input_ids)
         meta = attention.build_metadata(self.cache, batch.block_tables, batch.starts, ends, self.device)
         if batch.input_ids is not None:
             input_ids = batch.input_ids.view(1, -1)  # [1, T]

@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         "progress in the log (off by default: on a 2-core CPU it gained 0-20%% for a minute or two of compiling)",
     )
     s.add_argument(
+        "--cuda-graphs", action=argparse.BooleanOptionalAction,
+        help="pad decode and verify forwards to static bucket shapes and replay them as CUDA graphs, captured at "
+        "start-up with progress in the log (default: on when the target runs on one GPU, off on CPU and for "
+        "--device-map; output is the same either way)",
+    )
+    s.add_argument(
         "--no-prefix-caching", action="store_false", dest="prefix_caching",
         help="compute every prompt in full instead of reusing the KV blocks of a prefix an earlier request "
         "computed (on by default; output is the same either way)",
