@@ -206,7 +206,8 @@ def measure(args: argparse.Namespace) -> dict:
                 rows.append(row)
                 print(f"  {role:6s} batch {g:3d} x {q} tokens: eager {eager * 1e3:7.2f} ms, graphs {graphs * 1e3:7.2f} "
                       f"ms ({eager / graphs:4.2f}x), floor {floor_kv * 1e3:6.2f} ms (weights {floor_w * 1e3:.2f}) -> "
-                      f"graphs at {graphs / floor_kv:.2f}x floor; linears alone {matmuls * 1e3:.2f} ms; capture {capture:.2f}s; "
+                      f"graphs at {graphs / floor_kv:.2f}x floor; linears alone {matmuls * 1e3:.2f} ms; "
+                      f"capture {capture:.2f}s; "
                       f"|logit diff| {diff:.3g}",
                       flush=True)
         del runner, model

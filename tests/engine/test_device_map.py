@@ -98,7 +98,7 @@ def test_a_cache_for_a_split_model_puts_each_layer_on_its_own_device():
     devices = [torch.device("cpu"), torch.device("meta")]
     cache = PagedKVCache([LayerShape(2, 8, 8), LayerShape(1, 4, 4)], 3, 4, torch.float32, devices)
     assert [k.device.type for k in cache.k] == [v.device.type for v in cache.v] == ["cpu", "meta"]
-    assert cache.k[1].shape == (12, 1, 4)
+    assert cache.k[1].shape == (13, 1, 4)  # 3 blocks of 4, and the scratch slot
     with pytest.raises(ValueError, match="1 devices for 2 layers"):
         PagedKVCache([LayerShape(2, 8, 8)] * 2, 3, 4, torch.float32, devices[:1])
 

@@ -13,8 +13,13 @@ from engine.config import EngineConfig
 from engine.graphs import Bucket, Buckets
 from engine.loader import use_cuda_graphs
 from engine.model_runner import ForwardBatch, ModelRunner
-from tests.engine.lossless import MAX_NEW, Reference, assert_same_as_target, assert_same_sample_unless_near_tie
-from tests.engine.lossless import prompts_for
+from tests.engine.lossless import (
+    MAX_NEW,
+    Reference,
+    assert_same_as_target,
+    assert_same_sample_unless_near_tie,
+    prompts_for,
+)
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 BLOCK = 4

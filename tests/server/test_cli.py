@@ -67,6 +67,17 @@ def test_prefix_caching_is_on_unless_a_flag_a_variable_or_the_yaml_turns_it_off(
     assert parse_config(["serve", "--model", "org/m"]).prefix_caching is False
 
 
+def test_cuda_graphs_follow_the_device_unless_a_flag_a_variable_or_the_yaml_decides(monkeypatch, tmp_path):
+    assert parse_config(["serve", "--model", "org/m"]).engine_config().cuda_graphs is None  # the loader decides
+    assert parse_config(["serve", "--model", "org/m", "--cuda-graphs"]).engine_config().cuda_graphs is True
+    assert parse_config(["serve", "--model", "org/m", "--no-cuda-graphs"]).engine_config().cuda_graphs is False
+    path = tmp_path / "c.yaml"
+    path.write_text("model: org/m\ncuda-graphs: false\n")
+    assert parse_config(["serve", "--config", str(path)]).cuda_graphs is False
+    monkeypatch.setenv("SPECD_CUDA_GRAPHS", "true")
+    assert parse_config(["serve", "--model", "org/m"]).cuda_graphs is True
+
+
 def test_the_serving_guide_lists_every_serve_option():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     flags = {o for a in serve._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
