@@ -27,6 +27,10 @@ from engine.kv_cache import PagedKVCache
 logger = logging.getLogger(__name__)
 
 MIN_CONTEXT = 256  # the smallest context bucket: gathering a few hundred keys costs little beside the weights
+# The largest: the padded gather of a 64 x 4096 bucket is already ~1 GB per layer for an 8B model (and held in
+# the graphs' memory pool), and a model with a 128k limit would otherwise capture buckets no cache can fill.
+# Longer contexts run eagerly.
+MAX_CONTEXT = 4096
 _STAGING = 8  # pinned staging buffers in rotation: a draft loop queues several forwards without a sync
 
 
@@ -49,14 +53,17 @@ class Buckets:
 
     @staticmethod
     def for_limits(
-        max_num_seqs: int, k_max: int, max_model_len: int, block_size: int, min_context: int = MIN_CONTEXT
+        max_num_seqs: int, k_max: int, max_model_len: int, block_size: int, min_context: int = MIN_CONTEXT,
+        max_context: int = MAX_CONTEXT,
     ) -> Buckets:
         """Batch 1, 2, 4, 8, then every 16 (vLLM's spacing: padding wastes at most 15 rows); queries 1,
         2, 4, 8 up to a full verify of k_max drafts; contexts doubling from ``min_context`` up to the
-        longest a verify can reach (max_model_len plus drafts, as the KV sizing counts it)."""
+        longest a verify can reach (max_model_len plus drafts, as the KV sizing counts it), at most
+        ``max_context`` (rounded up to whole blocks)."""
         batch = _up_to(max_num_seqs, (1, 2, 4, 8, *range(16, max_num_seqs, 16)))
         query = _up_to(k_max + 1, (1, 2, 4, 8, 16))
         longest = -(-(max_model_len + k_max + 1) // block_size) * block_size
+        longest = min(longest, -(-max_context // block_size) * block_size)
         first = -(-min(min_context, longest) // block_size) * block_size
         context, c = [], first
         while c < longest:

@@ -34,6 +34,9 @@ def test_buckets_cover_every_short_forward_up_to_the_limits():
     assert b.pick(3, 5, 300) == Bucket(4, 8, 512)
     assert b.pick(64, 9, 2064) == Bucket(64, 9, 2064)
     assert b.pick(65, 1, 10) is None and b.pick(1, 10, 10) is None and b.pick(1, 1, 2065) is None
+    long = Buckets.for_limits(max_num_seqs=64, k_max=8, max_model_len=131072, block_size=16)
+    assert long.context == (256, 512, 1024, 2048, 4096)  # longer contexts run eagerly
+    assert long.pick(1, 1, 4097) is None
     small = Buckets.for_limits(max_num_seqs=5, k_max=0, max_model_len=100, block_size=16, min_context=16)
     assert (small.batch, small.query, small.context) == ((1, 2, 4, 5), (1,), (16, 32, 64, 112))
 
