@@ -199,7 +199,9 @@ class StaticForward:
             pos[base : base + n] = p
             pos[base + n : base + Q] = start + n - 1  # padding repeats the last real position
             slots[base : base + n] = tab[p // bs] * bs + p % bs
-            tables[g, : len(table)] = tab  # entries past it are stale but valid block ids, and masked
+            # Blocks past the largest bucket hold no key a bucketed forward reads; entries past the table are
+            # stale but valid block ids, and masked.
+            tables[g, : min(len(table), self.NB)] = tab[: self.NB]
             real.extend(range(base, base + n))
             keep.extend(range(base + n - rows, base + n))
         for name, values in (("ids", ids), ("pos", pos), ("slots", slots), ("real", real), ("keep", keep)):

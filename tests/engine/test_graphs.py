@@ -163,3 +163,14 @@ def test_seeded_samples_are_the_same_with_and_without_buckets(device, model_sets
     ref = Reference(ms.target)
     for prompt, got, want in zip(prompts, outs[True], outs[False]):
         assert_same_sample_unless_near_tie(ref, prompt, got, want, 7, 0.9, 0.95, f"seeded, buckets on {device}")
+
+
+def test_a_block_table_longer_than_the_largest_bucket_still_runs_in_a_bucket(model_sets):
+    """Blocks past the largest context bucket (16 here) hold nothing a bucketed forward reads."""
+    eager, static = _pair(model_sets["llama"].target, "cpu")
+    table = list(range(20))
+    for r in (eager, static):
+        r.forward(ForwardBatch([[5, 6, 7, 8, 9, 10]], [0], [table], [0]))
+    batch = ForwardBatch([[11]], [6], [table], [1])
+    torch.testing.assert_close(static.forward(batch), eager.forward(batch), rtol=1e-4, atol=1e-4)
+    assert static.static is not None and static.static.replays == 1
