@@ -89,7 +89,7 @@ class StaticForward:
         call: Callable[..., Any] | None = None,
     ) -> None:
         """``call``: what runs the model (a torch.compile'd one, whose kernels the graphs then capture)."""
-        self.model, self.cache, self.buckets, self.name = model, cache, buckets, name
+        self.cache, self.buckets, self.name = cache, buckets, name
         self.call = model if call is None else call
         self.device = device
         self.capture = device.type == "cuda"
