@@ -7,10 +7,13 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParamError, SamplingParams
 from engine.sequence import TokenLogprob
 from engine.stats import SpecDecodeStats, StepStats
+from engine.structured.constraint import Constraint, ConstraintKind
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "Constraint",
+    "ConstraintKind",
     "EngineConfig",
     "LLMEngine",
     "RequestOutput",

@@ -44,6 +44,7 @@ class EngineConfig:
     audit_fraction: float = 0.0  # of finished greedy requests, re-run without speculation and compared
     compile: bool = False  # torch.compile the decode and verify forwards of the target and the draft
     prefix_caching: bool = True  # reuse the KV blocks of a prefix an earlier request computed (engine.block_manager)
+    grammar_drafts: bool = True  # draft the tokens a request's grammar forces, for free (engine.speculative.drafting)
     # Decode and verify forwards padded to static buckets and replayed as CUDA graphs (engine.graphs).
     # None = on where the target runs on one GPU; True on CPU runs the padded forwards eagerly (tests).
     cuda_graphs: bool | None = None

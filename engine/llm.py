@@ -36,6 +36,7 @@ class LLM:
         audit_fraction: float = 0.0,
         compile: bool = False,
         prefix_caching: bool = True,
+        grammar_drafts: bool = True,
         cuda_graphs: bool | None = None,
     ) -> None:
         if speculative_method is None:
@@ -61,6 +62,7 @@ class LLM:
                 audit_fraction=audit_fraction,
                 compile=compile,
                 prefix_caching=prefix_caching,
+                grammar_drafts=grammar_drafts,
                 cuda_graphs=cuda_graphs,
             )
         )

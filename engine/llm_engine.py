@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Sequence as Seq
 
@@ -23,6 +24,7 @@ from engine.speculative.drafting import Drafts, make_drafting
 from engine.speculative.verifier import Verifier
 from engine.stats import AuditStats, SpecDecodeStats, StepStats
 from engine.stop import StopChecker
+from engine.structured.grammar import GrammarBackend
 
 
 def check_text(text: str) -> None:
@@ -57,6 +59,8 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         self.audit_stats = AuditStats()
         self.last_step: StepStats | None = None
+        self._grammars: GrammarBackend | None = None  # built by the first structured request
+        self._grammars_lock = threading.Lock()
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -84,7 +88,18 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
+        if params.constraint is not None:
+            self.grammars.grammar(params.constraint)  # compiled (and cached) here: a bad one is a 400, not a failure
         return ids
+
+    @property
+    def grammars(self) -> GrammarBackend:
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured output needs a tokenizer, and this model has none")
+                self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_ids)
+            return self._grammars
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -106,7 +121,10 @@ class LLMEngine:
                 f"whole KV cache holds ({self.kv_capacity_tokens} tokens)"
             )
         key = rng.request_key(params.seed, self._keys)
-        self._add(Sequence(request_id, list(ids), params, arrival_time=time.monotonic(), key=key))
+        seq = Sequence(request_id, list(ids), params, arrival_time=time.monotonic(), key=key)
+        if params.constraint is not None:
+            seq.grammar = self.grammars.start(params.constraint)
+        self._add(seq)
 
     def _add(self, seq: Sequence) -> None:
         self.seqs[seq.request_id] = seq

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.structured.constraint import Constraint
 
 # Below this a temperature is greedy: dividing float32 logits by it would overflow to inf and turn the
 # softmax into NaN, and the distribution it approaches is the argmax anyway (vLLM draws the same line).
@@ -33,6 +37,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; N: the emitted token's logprob plus top-N
     num_speculative_tokens: int | None = None
+    constraint: Constraint | None = None  # the output must match it (engine.structured)
 
     def __post_init__(self) -> None:
         # Accept lists for convenience; store tuples so nothing shared can be mutated afterwards.
@@ -63,6 +68,9 @@ class SamplingParams:
             "min_tokens",
             f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})",
         )
+        if self.constraint is not None:
+            # The grammar decides where the output ends; a floor on its length could contradict it.
+            _check(self.min_tokens == 0, "min_tokens", "cannot be combined with structured output")
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         if self.logprobs is not None:
             _check(0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")

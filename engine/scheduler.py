@@ -200,6 +200,8 @@ class Scheduler:
         for token in verdict.tokens:
             seq.token_ids.append(token)
             kept.append(token)
+            if seq.grammar is not None:
+                seq.grammar.advance(token)
             reason = self.stop.check(seq, token)
             if reason is not None:
                 break

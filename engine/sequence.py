@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.detokenizer import TextState
 from engine.sampling_params import SamplingParams
 from engine.speculative.state import DraftState
+
+if TYPE_CHECKING:
+    from engine.structured.grammar import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -76,6 +80,7 @@ class Sequence:
     draft: DraftState = field(default_factory=DraftState)
     prefix: PrefixState = field(default_factory=PrefixState)
     generated_counts: object | None = None  # engine.sampling.generated_counts' cache, for penalties; no torch here
+    grammar: GrammarState | None = None  # the matcher of a structured request (engine.structured)
     audit: AuditCase | None = None  # set on an audit's own sequence, which runs in the background
 
     @property

@@ -40,6 +40,10 @@ class StopChecker:
                 st.text = st.text[: hit[0]]
                 seq.stop_reason = hit[1]
                 return FinishReason.STOP
+        if seq.grammar is not None and seq.grammar.finished:
+            # The grammar allows nothing but the end: the masked target's next token would be EOS.
+            st.text += st.detok.flush() if st.detok is not None else ""
+            return FinishReason.STOP
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             st.text += st.detok.flush() if st.detok is not None else ""
             return FinishReason.LENGTH

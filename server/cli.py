@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
         "computed (on by default; output is the same either way)",
     )
     s.add_argument(
+        "--no-grammar-drafts", action="store_false", dest="grammar_drafts",
+        help="with speculation on, do not draft the tokens a structured request's grammar forces (keys, "
+        "punctuation, closing brackets); they are drafted for free by default and output is the same either way",
+    )
+    s.add_argument(
         "--trust-remote-code", action="store_true",
         help="run Python code shipped with the model directory (off by default; a warning is logged when on)",
     )

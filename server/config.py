@@ -63,6 +63,7 @@ class ServerConfig:
     audit_fraction: float = 0.0  # of finished greedy requests, re-run without speculation and compared
     compile: bool = False  # torch.compile the decode and verify forwards (compiled at start-up)
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes earlier requests computed
+    grammar_drafts: bool = True  # with speculation on, draft what a request's grammar forces (free)
     cuda_graphs: bool | None = None  # decode and verify forwards as CUDA graphs; None: on where the model is on one GPU
     log_level: str = "info"
     log_stats_interval: float = 10.0  # seconds between stats log lines while busy; 0 turns them off
@@ -164,6 +165,7 @@ class ServerConfig:
             audit_fraction=self.audit_fraction,
             compile=self.compile,
             prefix_caching=self.prefix_caching,
+            grammar_drafts=self.grammar_drafts,
             cuda_graphs=self.cuda_graphs,
         )
 

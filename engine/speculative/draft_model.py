@@ -11,6 +11,7 @@ from engine.model_runner import ForwardBatch, ModelRunner
 from engine.sampling import probs_from_logits, process_logits, row_spec, sample_from
 from engine.sequence import Sequence
 from engine.speculative.source import DraftRequest, Proposal
+from engine.structured.grammar import apply_masks
 
 
 class DraftModelSource:
@@ -54,6 +55,11 @@ class DraftModelSource:
         """Each row's next draft, and q where verification needs it. logits [a, V] -> (tokens [a], q [a, V] | None)."""
         specs = [row_spec(r.seq, d, self.eos_ids, logits.shape[-1], logits.device) for r, d in zip(reqs, drafted)]
         logits = process_logits(logits, specs)
+        # The draft proposes from the masked q: the grammar's own choices cost it nothing to match.
+        walks = [(r.seq.grammar, i, []) for i, r in enumerate(reqs) if r.seq.grammar is not None]
+        if walks:
+            index = torch.tensor([i for _, i, _ in walks])
+            logits = apply_masks(logits, walks[0][0].backend.masks(len(reqs), walks)[index], index)
         picked = logits.argmax(-1)  # [a]
         if all(r.seq.params.greedy for r in reqs):
             return picked, None
@@ -79,6 +85,11 @@ class DraftModelSource:
         # Penalties read the drafts so far as generated tokens: only they need them on the host.
         penalised = any(r.seq.params.uses_penalties for r in requests)
         active = list(range(n))
+        # A structured row's grammar walks over its drafts as they are drawn (so position j is masked as
+        # the grammar stands after drafts[:j]) and is rolled back at the end; a row stops drafting once
+        # its grammar is complete. lengths[i]: the drafts row i really has.
+        walked = [0] * n
+        lengths = [r.max_drafts for r in requests]
         for j in range(max(K, 1)):  # K == 0: a catch-up alone
             seqs = [requests[i].seq for i in active]
             if j == 0:  # catch up on (part of) what the draft has not seen, then predict
@@ -103,8 +114,20 @@ class DraftModelSource:
                 drafted[index, j] = picked
                 if probs is not None and q is not None:
                     probs[index, j] = q
-            active = [i for i in drafting if requests[i].max_drafts > j + 1]
+                structured = [i for i in drafting if requests[i].seq.grammar is not None]
+                if structured:
+                    for i, token in zip(structured, drafted[structured, j].tolist()):
+                        grammar = requests[i].seq.grammar
+                        assert grammar is not None
+                        grammar.push([token])
+                        walked[i] += 1
+                        if grammar.finished:
+                            lengths[i] = j + 1
+            active = [i for i in drafting if lengths[i] > j + 1]
             if not active:
                 break
+        for r, w in zip(requests, walked):
+            if r.seq.grammar is not None:
+                r.seq.grammar.pop(w)
         rows = drafted.tolist()
-        return Proposal(tokens=[rows[i][: r.max_drafts] for i, r in enumerate(requests)], probs=probs)
+        return Proposal(tokens=[rows[i][:length] for i, length in enumerate(lengths)], probs=probs)

@@ -24,6 +24,7 @@ from engine.speculative.calibrate import calibrate
 from engine.speculative.draft_model import DraftModelSource
 from engine.speculative.ngram import LookupSource
 from engine.speculative.source import DraftRequest, DraftSource
+from engine.structured.forced import FORCED
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Drafting:
         a sequence still prefilling (or recomputing), so no earlier step's plan outlives it."""
         decoding = [s for s in running if s.is_decoding]
         for seq in running:
-            seq.draft.source, seq.draft.k, seq.draft.lag, seq.draft.lookup = None, 0, 0, []
+            seq.draft.source, seq.draft.k, seq.draft.lag, seq.draft.lookup, seq.draft.forced = None, 0, 0, [], []
         for seq in decoding:
             d = seq.draft
             source, k = self._route(seq, len(decoding))
@@ -66,6 +67,12 @@ class Drafting:
         if k == 0:
             return None, 0
         d = seq.draft
+        if seq.grammar is not None and self.config.grammar_drafts:
+            # Tokens the grammar forces are accepted with certainty under the masked target, so they cost
+            # only the target's marginal per-token price: take as many as the step allows, before any drafter.
+            d.forced = seq.grammar.forced()
+            if d.forced:
+                return FORCED, min(len(d.forced), k or self.config.k_max)
         if self.lookup is not None:
             d.lookup = self.lookup.propose([DraftRequest(seq, k or self.config.k_max)]).tokens[0]
         if k is not None:  # a fixed k: the lookup wherever it matched (the hybrid's needs n >= 2), else the model
@@ -90,25 +97,27 @@ class Drafting:
             d = s.seq.draft
             if d.source == "lookup":
                 tokens[i] = d.lookup[: s.num_draft_slots]
+            elif d.source == FORCED.name:
+                tokens[i] = d.forced[: s.num_draft_slots]
             elif d.source == "model" and (s.num_draft_slots or s.num_catch_up):
                 asked.append(DraftRequest(s.seq, s.num_draft_slots, s.num_catch_up))
                 at.append(i)
         if not asked:
-            return Drafts(tokens, None)
+            return Drafts(grammatical(scheduled, tokens), None)
         assert self.model is not None
         proposal = self.model.propose(asked)
         for i, t in zip(at, proposal.tokens):
             tokens[i] = t
         if proposal.probs is None:
-            return Drafts(tokens, None)
+            return Drafts(grammatical(scheduled, tokens), None)
         K = max(map(len, tokens))
         probs = proposal.probs.new_zeros(len(scheduled), K, vocab)  # [S, K, V]
         probs[at, : proposal.probs.shape[1]] = proposal.probs
         for i, s in enumerate(scheduled):
-            if s.seq.draft.source == "lookup" and tokens[i]:
+            if s.seq.draft.source in ("lookup", FORCED.name) and tokens[i]:
                 n = len(tokens[i])
                 probs[i, torch.arange(n), torch.tensor(tokens[i], device=probs.device)] = 1.0  # one-hot q
-        return Drafts(tokens, probs)
+        return Drafts(grammatical(scheduled, tokens), probs)
 
     def observe(self, scheduled: list[ScheduledSeq], verdicts: list[Verdict | None], num_fed: int,
                 target_seconds: float) -> None:
@@ -133,6 +142,17 @@ class Drafting:
             policy = self.policies.get(d.source)
             if policy is not None and v.num_drafts:
                 policy.observe(d.track(d.source), v.num_drafts, v.num_accepted)
+
+
+def grammatical(scheduled: list[ScheduledSeq], tokens: list[list[int]]) -> list[list[int]]:
+    """Each structured sequence's drafts cut at the first one its grammar forbids: the masked target gives
+    that draft probability 0, so it and everything after it would be rejected anyway; cutting spares the
+    target their rows (and an EOS draft ends them, since the grammar then allows nothing)."""
+    for i, s in enumerate(scheduled):
+        grammar = s.seq.grammar
+        if grammar is not None and tokens[i]:
+            tokens[i] = tokens[i][: grammar.valid_prefix(tokens[i])]
+    return tokens
 
 
 def make_drafting(config: EngineConfig, target: ModelRunner, draft: ModelRunner | None,

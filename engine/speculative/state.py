@@ -16,6 +16,7 @@ class DraftState:
     k: int = 0  # drafts wanted this step
     lag: int = 0  # tokens the source must process before it can draft (a draft model's catch-up)
     lookup: list[int] = field(default_factory=list)  # the lookup's proposal: the drafts, or a shadow
+    forced: list[int] = field(default_factory=list)  # what the request's grammar allows as the only continuation
     tracks: dict[str, SourceTrack] = field(default_factory=dict)
 
     def track(self, source: str) -> SourceTrack:

@@ -13,6 +13,7 @@ from engine.outputs import Verdict
 from engine.sampling import logprobs_of, probs_from_logits, process_logits, row_spec, sample_from
 from engine.sequence import Sequence, TokenLogprob
 from engine.speculative.verify import accepted_prefix, emitted, final_distribution
+from engine.structured.grammar import apply_masks
 
 
 class Verifier:
@@ -56,7 +57,7 @@ class Verifier:
         ks = [len(d) for d in drafts]
         B, K = len(seqs), max(ks)
         specs = [row_spec(s, d[:j], self.eos_ids, V, dev) for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
-        processed = process_logits(logits, specs)  # [R, V]
+        processed = constrain(process_logits(logits, specs), seqs, drafts)  # [R, V]
         # Row of (sequence b, position j) in the flat logits; padding positions repeat the last row.
         ks_t = torch.tensor(ks, device=dev)  # [B]
         offsets = (ks_t + 1).cumsum(0) - (ks_t + 1)  # [B] first row of each sequence
@@ -124,3 +125,23 @@ class Verifier:
                 result[b].append(TokenLogprob(t, chosen_l[r], tuple(zip(top_i_l[r][:n], top_v_l[r][:n]))))
                 r += 1
         return result
+
+
+def constrain(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
+    """The grammar masks of the structured sequences' rows: the distribution verified against is the
+    masked target's. Row j of sequence b is masked as the grammar stands after its drafts[:j]. Past a
+    draft the grammar forbids, rows stay unmasked: that draft has masked probability 0 (greedy: it is
+    not the masked argmax), so it is rejected like any other and no later row is ever used.
+    logits [R, V] -> [R, V]."""
+    walks, rows, row = [], [], 0
+    for seq, d in zip(seqs, drafts):
+        if seq.grammar is not None:
+            valid = d[: seq.grammar.valid_prefix(d)]
+            walks.append((seq.grammar, row, valid))
+            rows.extend(range(row, row + len(valid) + 1))
+        row += len(d) + 1
+    if not walks:
+        return logits
+    backend = walks[0][0].backend
+    index = torch.tensor(rows)
+    return apply_masks(logits, backend.masks(logits.shape[0], walks)[index], index)
