@@ -178,11 +178,22 @@ class LLMEngine:
             self.drafting.observe(sched.scheduled, verdicts, fed, t3 - t2)
         audits = self._finish(outputs)
         outputs = [o for o in outputs if not is_audit(o.request_id)]  # audits are the engine's own work
+        grammar_seconds, compiles = self._drain_grammar_costs()
         self.last_step = StepStats.of(sched, verdicts, outputs, num_prompt, audits, self.num_running,
                                       self.num_waiting, self.block_manager.usage, t2 - t1, t3 - t2,
-                                      time.perf_counter() - t0)
+                                      time.perf_counter() - t0, grammar_seconds, compiles)
         self.spec_stats.add(self.last_step)
         return outputs
+
+    def _drain_grammar_costs(self) -> tuple[float, tuple[float, ...]]:
+        """Seconds of grammar masks this step, and the compile time of each structured request queued since."""
+        backend = self._grammars
+        if backend is None:
+            return 0.0, ()
+        with self._grammars_lock:
+            seconds, backend.mask_seconds = backend.mask_seconds, 0.0
+            compiles, backend.compile_seconds = tuple(backend.compile_seconds), []
+        return seconds, compiles
 
     def _forward(self, scheduled: list[ScheduledSeq], drafts: list[list[int]]) -> torch.Tensor:
         logits = self.target.forward(step_batch(scheduled, drafts))

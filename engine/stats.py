@@ -36,14 +36,21 @@ class StepStats:
     audit_results: tuple[str, ...] = ()  # losslessness audits judged this step: "match", "mismatch", "near_tie"
     prefix_cache_queries: int = 0  # tokens of the sequences admitted this step, looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens whose K/V came from it
+    num_forced_draft_tokens: int = 0  # of num_draft_tokens, those the grammar forced (engine.structured.forced)
+    num_forced_accepted_tokens: int = 0
+    grammar_seconds: float = 0.0  # computing grammar masks within the step
+    grammar_compile_seconds: tuple[float, ...] = ()  # one per structured request queued since the last step
 
     @classmethod
     def of(
         cls, sched: SchedulerOutput, verdicts: list[Verdict | None], outputs: list[RequestOutput], num_prompt: int,
         audits: tuple[str, ...], num_running: int, num_waiting: int, kv_usage: float,
         draft_seconds: float, target_seconds: float, step_seconds: float,
+        grammar_seconds: float = 0.0, grammar_compile_seconds: tuple[float, ...] = (),
     ) -> StepStats:
         drafted = [v for v in verdicts if v is not None and v.num_drafts]
+        forced = [v for s, v in zip(sched.scheduled, verdicts)
+                  if v is not None and v.num_drafts and s.seq.draft.source == "grammar"]
         pos_counts = [0] * max((v.num_drafts for v in drafted), default=0)
         for v in drafted:
             for j in range(v.num_accepted):
@@ -71,6 +78,10 @@ class StepStats:
             target_seconds=target_seconds,
             step_seconds=step_seconds,
             audit_results=audits,
+            num_forced_draft_tokens=sum(v.num_drafts for v in forced),
+            num_forced_accepted_tokens=sum(v.num_accepted for v in forced),
+            grammar_seconds=grammar_seconds,
+            grammar_compile_seconds=grammar_compile_seconds,
         )
 
 
@@ -95,6 +106,8 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    num_forced_draft_tokens: int = 0
+    num_forced_accepted_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -109,6 +122,8 @@ class SpecDecodeStats:
         self.num_drafts += step.num_drafts
         self.num_draft_tokens += step.num_draft_tokens
         self.num_accepted_tokens += step.num_accepted_tokens
+        self.num_forced_draft_tokens += step.num_forced_draft_tokens
+        self.num_forced_accepted_tokens += step.num_forced_accepted_tokens
         pos = self.accepted_per_position
         pos.extend([0] * (len(step.accepted_per_position) - len(pos)))
         for i, n in enumerate(step.accepted_per_position):

@@ -38,6 +38,7 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+GRAMMAR_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 MAX_ACCEPTED_LENGTH = 17  # k <= 16: 1..17 tokens per verify step, one bucket each
 
 
@@ -84,6 +85,16 @@ class Metrics:
             "specd:prefix_cache_queries", "Tokens of admitted sequences looked up in the prefix cache (recomputes too)."
         )
         self.prefix_hits = counter("specd:prefix_cache_hits", "Of those, tokens whose K/V the prefix cache held.")
+        # Structured output: requests, what their grammars cost, and the drafts they force for free.
+        self.structured = counter("specd:structured_requests", "Requests (choices) queued with an output constraint.")
+        self.grammar_compile = histogram(
+            "specd:grammar_compile_seconds", "Building a structured request's grammar matcher.", GRAMMAR_BUCKETS
+        )
+        self.grammar_seconds = counter("specd:grammar_seconds", "Computing grammar token masks within steps, seconds.")
+        self.forced_drafts = counter(
+            "specd:grammar_forced_draft_tokens", "Draft tokens proposed because the grammar allowed nothing else."
+        )
+        self.forced_accepted = counter("specd:grammar_forced_accepted_tokens", "Of those, tokens the target accepted.")
         # Tokens and requests, from what the HTTP handlers delivered.
         self.prompt_tokens = counter("specd:prompt_tokens", "Prompt tokens of requests, counted once per request.")
         self.generation_tokens = counter("specd:generation_tokens", "Generated tokens delivered to requests.")
@@ -154,6 +165,15 @@ class Metrics:
                     per_pos.append(self._per_pos_family.labels(self.model_name, str(i)))
                 per_pos[i].inc(n)  # zeros too: a position drafted but never accepted exports 0
             self.accepted_length.observe_many(step.accepted_lengths)
+        if step.grammar_compile_seconds:
+            self.structured.inc(len(step.grammar_compile_seconds))
+            for seconds in step.grammar_compile_seconds:
+                self.grammar_compile.observe(seconds)
+        if step.grammar_seconds:
+            self.grammar_seconds.inc(step.grammar_seconds)
+        if step.num_forced_draft_tokens:
+            self.forced_drafts.inc(step.num_forced_draft_tokens)
+            self.forced_accepted.inc(step.num_forced_accepted_tokens)
         if step.prefix_cache_queries:
             self.prefix_queries.inc(step.prefix_cache_queries)
             self.prefix_hits.inc(step.prefix_cache_hits)

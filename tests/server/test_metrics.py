@@ -136,7 +136,8 @@ EXPORTED = [
         "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
         "spec_decode_num_accepted_tokens_per_pos", "prompt_tokens", "generation_tokens", "request_success",
         "request_failure", "engine_steps", "engine_step_seconds", "target_forward_seconds", "draft_seconds",
-        "prefix_cache_queries", "prefix_cache_hits",
+        "prefix_cache_queries", "prefix_cache_hits", "structured_requests", "grammar_seconds",
+        "grammar_forced_draft_tokens", "grammar_forced_accepted_tokens",
     )),
     *(f"specd:{g}" for g in (
         "spec_decode_acceptance_rate", "generation_tokens_per_second", "num_requests_running", "num_requests_waiting",
@@ -144,7 +145,7 @@ EXPORTED = [
     )),
     *(f"specd:{h}_{part}" for h in (
         "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-        "request_queue_time_seconds", "spec_decode_accepted_length",
+        "request_queue_time_seconds", "spec_decode_accepted_length", "grammar_compile_seconds",
     ) for part in ("bucket", "sum", "count")),
 ]
 
