@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from server import sse
+from server import sse, structured
 from server.async_engine import EngineRequest, RequestHandle
 from server.errors import bad_request, from_exception
 from server.logprobs import TextOffsets, completion_logprobs
@@ -44,11 +44,14 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: Serving) 
         raise bad_request("best_of is not supported (it must equal n when given)", param="best_of")
     prompts = _prompts(req.prompt)
     ctx.check_request(req, len(prompts))
+    constraint = structured.only_one(structured.requested(req))
     rid = new_id("cmpl")
     n = req.n
     requests, choices, prompt_ids = [], {}, []
     for p, prompt in enumerate(prompts):
-        params = sampling_params(req, ctx.provisional_max(req.max_tokens), req.logprobs, ctx.engine.vocab_size)
+        params = sampling_params(
+            req, ctx.provisional_max(req.max_tokens), req.logprobs, ctx.engine.vocab_size, constraint
+        )
         ids, params = ctx.prepare(prompt, params, req.max_tokens, "prompt")
         prompt_ids.append(ids)
         for i in range(n):

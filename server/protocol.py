@@ -1,7 +1,7 @@
 """OpenAI request and response schemas (pydantic), field for field, plus a few marked extensions.
 
 Unknown request fields are ignored, as OpenAI-compatible servers commonly do; fields whose
-meaning we cannot honour (suffix, tools, a JSON response_format) are rejected in the routes.
+meaning we cannot honour (suffix, best_of other than n) are rejected in the routes.
 """
 
 from __future__ import annotations
@@ -18,6 +18,18 @@ def _none(v: object) -> bool:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = Field(max_length=64)  # required by OpenAI; unused here
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # OpenAI's default is False: unsupported schema keywords are then ignored
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None  # required with type json_schema (server.structured)
 
 
 class SamplingFields(BaseModel):
@@ -46,6 +58,11 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     num_speculative_tokens: int | None = Field(None, ge=0, le=16)  # 0 turns speculation off for this request
     return_token_ids: bool = False  # add prompt_token_ids and token_ids to each choice
+    # Structured output (server.structured): at most one of these per request.
+    response_format: ResponseFormat | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # Lark, as llguidance reads it
 
     @field_validator("stream_options")
     @classmethod
@@ -79,14 +96,36 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; None: any JSON object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict | None = None
-    tools: list[dict] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool | None = None  # False: tool_choice "required" makes exactly one call
 
 
 # ---- responses -----------------------------------------------------------------------------------------
@@ -150,10 +189,22 @@ class ChatLogprobs(BaseModel):
     refusal: list[TokenLogprobEntry] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_none)
 
 
 class ChatChoice(BaseModel):
@@ -176,9 +227,19 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class DeltaToolCall(BaseModel):
+    """A whole tool call in one streamed delta (OpenAI may split ``arguments`` over several)."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=_none)
     content: str | None = Field(None, exclude_if=_none)
+    tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=_none)
 
 
 class ChatChunkChoice(BaseModel):

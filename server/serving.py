@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from engine import CompletionOutput, LLMEngine, SamplingParams
+from engine import CompletionOutput, Constraint, LLMEngine, SamplingParamError, SamplingParams
 from server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -104,6 +104,8 @@ class Serving:
         prompt plus max_tokens must fit in both."""
         try:
             ids = self.engine.prepare(prompt, params)
+        except SamplingParamError:
+            raise  # about a field of its own (a schema the grammar engine cannot compile): a 400 naming it
         except ValueError as exc:
             raise bad_request(str(exc), param=param, code="invalid_prompt") from None
         capacity = self.engine.kv_capacity_tokens
@@ -157,7 +159,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+def sampling_params(
+    req: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int, constraint: Constraint | None = None
+) -> SamplingParams:
     """The request's fields as SamplingParams (their range errors name the field: a 400 upstream)."""
     bias: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
@@ -188,6 +192,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, 
         min_tokens=req.min_tokens,
         logprobs=logprobs,
         num_speculative_tokens=req.num_speculative_tokens,
+        constraint=constraint,
     )
 
 

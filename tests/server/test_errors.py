@@ -82,8 +82,8 @@ CHAT_CASES = [
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools.0.function"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format.type"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 600}, "max_tokens"),
 ]
