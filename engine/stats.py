@@ -49,8 +49,9 @@ class StepStats:
         grammar_seconds: float = 0.0, grammar_compile_seconds: tuple[float, ...] = (),
     ) -> StepStats:
         drafted = [v for v in verdicts if v is not None and v.num_drafts]
-        forced = [v for s, v in zip(sched.scheduled, verdicts)
-                  if v is not None and v.num_drafts and s.seq.draft.source == "grammar"]
+        # (drafted, accepted) of the forced drafts, which sit at [forced_at, forced_at + num_forced).
+        forced = [(s.seq.draft.num_forced, min(max(0, v.num_accepted - s.seq.draft.forced_at), s.seq.draft.num_forced))
+                  for s, v in zip(sched.scheduled, verdicts) if v is not None and v.num_drafts]
         pos_counts = [0] * max((v.num_drafts for v in drafted), default=0)
         for v in drafted:
             for j in range(v.num_accepted):
@@ -78,8 +79,8 @@ class StepStats:
             target_seconds=target_seconds,
             step_seconds=step_seconds,
             audit_results=audits,
-            num_forced_draft_tokens=sum(v.num_drafts for v in forced),
-            num_forced_accepted_tokens=sum(v.num_accepted for v in forced),
+            num_forced_draft_tokens=sum(n for n, _ in forced),
+            num_forced_accepted_tokens=sum(a for _, a in forced),
             grammar_seconds=grammar_seconds,
             grammar_compile_seconds=grammar_compile_seconds,
         )

@@ -53,12 +53,18 @@ class Drafting:
         a sequence still prefilling (or recomputing), so no earlier step's plan outlives it."""
         decoding = [s for s in running if s.is_decoding]
         for seq in running:
-            seq.draft.source, seq.draft.k, seq.draft.lag, seq.draft.lookup, seq.draft.forced = None, 0, 0, [], []
+            d = seq.draft
+            d.source, d.k, d.lag, d.lookup, d.forced, d.extend, d.forced_at, d.num_forced = None, 0, 0, [], [], 0, 0, 0
         for seq in decoding:
             d = seq.draft
             source, k = self._route(seq, len(decoding))
             if source is not None:  # with k = 0 too: a lookup shadowing the model still learns from the step
                 d.source, d.k, d.lag = source.name, k, source.lag(seq)
+                if k and source is not FORCED and seq.grammar is not None and self.config.grammar_drafts:
+                    # Room for what the grammar forces after these drafts (a key after a value): certain
+                    # once the drafts before them are accepted, so free beside them.
+                    d.extend = self.config.k_max
+                    d.k += d.extend
 
     def _route(self, seq: Sequence, batch: int) -> tuple[DraftSource | None, int]:
         k = seq.params.num_speculative_tokens
@@ -95,29 +101,30 @@ class Drafting:
         asked, at = [], []
         for i, s in enumerate(scheduled):
             d = s.seq.draft
+            own = min(s.num_draft_slots, d.own)
             if d.source == "lookup":
-                tokens[i] = d.lookup[: s.num_draft_slots]
+                tokens[i] = d.lookup[:own]
             elif d.source == FORCED.name:
                 tokens[i] = d.forced[: s.num_draft_slots]
-            elif d.source == "model" and (s.num_draft_slots or s.num_catch_up):
-                asked.append(DraftRequest(s.seq, s.num_draft_slots, s.num_catch_up))
+            elif d.source == "model" and (own or s.num_catch_up):
+                asked.append(DraftRequest(s.seq, own, s.num_catch_up))
                 at.append(i)
-        if not asked:
-            return Drafts(grammatical(scheduled, tokens), None)
-        assert self.model is not None
-        proposal = self.model.propose(asked)
-        for i, t in zip(at, proposal.tokens):
-            tokens[i] = t
-        if proposal.probs is None:
-            return Drafts(grammatical(scheduled, tokens), None)
-        K = max(map(len, tokens))
-        probs = proposal.probs.new_zeros(len(scheduled), K, vocab)  # [S, K, V]
-        probs[at, : proposal.probs.shape[1]] = proposal.probs
-        for i, s in enumerate(scheduled):
-            if s.seq.draft.source in ("lookup", FORCED.name) and tokens[i]:
-                n = len(tokens[i])
-                probs[i, torch.arange(n), torch.tensor(tokens[i], device=probs.device)] = 1.0  # one-hot q
-        return Drafts(grammatical(scheduled, tokens), probs)
+        proposal = self.model.propose(asked) if asked and self.model is not None else None
+        if proposal is not None:
+            for i, t in zip(at, proposal.tokens):
+                tokens[i] = t
+        modelled = [len(t) if i in at else 0 for i, t in enumerate(tokens)]  # leading drafts with a real q
+        tokens = with_forced(scheduled, grammatical(scheduled, tokens))
+        if proposal is None or proposal.probs is None:
+            return Drafts(tokens, None)
+        probs = proposal.probs.new_zeros(len(scheduled), max(map(len, tokens)), vocab)  # [S, K, V]
+        probs[at, : proposal.probs.shape[1]] = proposal.probs[:, : probs.shape[1]]
+        for i, t in enumerate(tokens):
+            if len(t) > modelled[i]:  # lookup, forced and grammar-extension drafts: one-hot q
+                j = torch.arange(modelled[i], len(t))
+                probs[i, j] = 0.0
+                probs[i, j, torch.tensor(t[modelled[i]:], device=probs.device)] = 1.0
+        return Drafts(tokens, probs)
 
     def observe(self, scheduled: list[ScheduledSeq], verdicts: list[Verdict | None], num_fed: int,
                 target_seconds: float) -> None:
@@ -140,8 +147,9 @@ class Drafting:
                 agreed = next((i for i, (a, b) in enumerate(zip(seen, v.tokens)) if a != b), len(seen))
                 self.policies["lookup"].observe(d.track("lookup"), len(seen), agreed)
             policy = self.policies.get(d.source)
-            if policy is not None and v.num_drafts:
-                policy.observe(d.track(d.source), v.num_drafts, v.num_accepted)
+            own = d.forced_at if d.num_forced else v.num_drafts  # forced drafts teach a source nothing
+            if policy is not None and own:
+                policy.observe(d.track(d.source), own, min(v.num_accepted, own))
 
 
 def grammatical(scheduled: list[ScheduledSeq], tokens: list[list[int]]) -> list[list[int]]:
@@ -152,6 +160,25 @@ def grammatical(scheduled: list[ScheduledSeq], tokens: list[list[int]]) -> list[
         grammar = s.seq.grammar
         if grammar is not None and tokens[i]:
             tokens[i] = tokens[i][: grammar.valid_prefix(tokens[i])]
+    return tokens
+
+
+def with_forced(scheduled: list[ScheduledSeq], tokens: list[list[int]]) -> list[list[int]]:
+    """Appends to each structured sequence's drafts what its grammar forces after them, into the slots
+    kept for it (``DraftState.extend``), and records where the forced drafts are (for the stats and
+    so that a source's acceptance is learned from its own drafts only)."""
+    for i, s in enumerate(scheduled):
+        d, grammar = s.seq.draft, s.seq.grammar
+        if d.source == FORCED.name:
+            d.forced_at, d.num_forced = 0, len(tokens[i])
+        elif grammar is not None and d.extend and tokens[i]:
+            room = s.num_draft_slots - len(tokens[i])
+            if room > 0:
+                grammar.push(tokens[i])
+                extra = grammar.forced()[:room]
+                grammar.pop(len(tokens[i]))
+                d.forced_at, d.num_forced = len(tokens[i]), len(extra)
+                tokens[i] = tokens[i] + extra
     return tokens
 
 

@@ -17,6 +17,14 @@ class DraftState:
     lag: int = 0  # tokens the source must process before it can draft (a draft model's catch-up)
     lookup: list[int] = field(default_factory=list)  # the lookup's proposal: the drafts, or a shadow
     forced: list[int] = field(default_factory=list)  # what the request's grammar allows as the only continuation
+    extend: int = 0  # of the k slots, those kept for tokens the grammar forces after the source's own drafts
+    forced_at: int = 0  # where this step's forced drafts begin among its drafts, and how many there are
+    num_forced: int = 0
+
+    @property
+    def own(self) -> int:
+        """Drafts wanted from the source itself."""
+        return self.k - self.extend
     tracks: dict[str, SourceTrack] = field(default_factory=dict)
 
     def track(self, source: str) -> SourceTrack:

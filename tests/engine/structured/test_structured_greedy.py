@@ -139,9 +139,11 @@ def test_greedy_under_a_grammar_equals_the_masked_target_alone(arch, setting, mo
         assert stats.num_draft_tokens > 0, "nothing was drafted: the test proved nothing"
     if kw.get("grammar_drafts", True) and setting != "none":
         assert stats.num_forced_draft_tokens > 0, "the grammar forced nothing that was drafted"
-        assert stats.num_forced_accepted_tokens == stats.num_forced_draft_tokens or (
-            stats.num_forced_accepted_tokens > 0.9 * stats.num_forced_draft_tokens
-        ), "forced drafts are accepted with certainty (only a stop can cut a step short)"
+        # Forced drafts after a drafter's own are lost with them when those are rejected; otherwise certain.
+        forced_rate = stats.num_forced_accepted_tokens / stats.num_forced_draft_tokens
+        own = stats.num_draft_tokens - stats.num_forced_draft_tokens
+        own_rate = (stats.num_accepted_tokens - stats.num_forced_accepted_tokens) / own if own else 0.0
+        assert forced_rate > own_rate, f"forced drafts accepted {forced_rate:.0%}, the drafter's own {own_rate:.0%}"
     else:
         assert stats.num_forced_draft_tokens == 0
 
