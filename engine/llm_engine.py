@@ -98,7 +98,8 @@ class LLMEngine:
             if self._grammars is None:
                 if self.tokenizer is None:
                     raise ValueError("structured output needs a tokenizer, and this model has none")
-                self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_ids)
+                self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_ids,
+                                                parallel=self.device.type != "cpu")
             return self._grammars
 
     @property

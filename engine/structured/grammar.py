@@ -57,13 +57,17 @@ class GrammarBackend:
     """Per engine: the tokenizer as llguidance sees it (``vocab`` columns: ids the tokenizer lacks, such as
     a checkpoint's padding rows, are never allowed), a cache of compiled grammars, and a thread pool."""
 
-    def __init__(self, tokenizer: Any, vocab: int, eos_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer: Any, vocab: int, eos_ids: tuple[int, ...], parallel: bool = False) -> None:
         import llguidance
         import llguidance.hf
 
         self.vocab = vocab
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=list(eos_ids))
-        self.executor = llguidance.LLExecutor()
+        # llguidance's pool spreads a batch's masks over threads; its idle threads spin, and on a CPU host
+        # they take cores from the model's own threads (measured: steps several times slower on 2 cores),
+        # so there the masks are computed in this thread. On a GPU host the CPU is otherwise idle.
+        self.executor = llguidance.LLExecutor() if parallel else None
+        self.parallel_from = 4  # walks: below this, the pool's hand-off costs more than it saves
         self._llg = llguidance
         self.compile_seconds: list[float] = []  # drained into the step's stats
         self.mask_seconds = 0.0  # likewise: time spent computing masks
@@ -93,11 +97,19 @@ class GrammarBackend:
         t0 = time.perf_counter()
         bitmask = torch.full((rows, (self.vocab + 31) // 32), -1, dtype=torch.int32)
         ptr, width = bitmask.data_ptr(), bitmask.shape[1] * 4
-        # llguidance takes walks without tokens only through its plain call.
-        if plain := [(w.matcher, row) for w, row, tokens in walks if not tokens]:
-            self.executor.unsafe_compute_mask_ptr(plain, ptr, width, rows)
-        if drafted := [(w.matcher, row, list(tokens)) for w, row, tokens in walks if tokens]:
-            self.executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, width, rows)
+        if self.executor is not None and len(walks) >= self.parallel_from:
+            # llguidance takes walks without tokens only through its plain call.
+            if plain := [(w.matcher, row) for w, row, tokens in walks if not tokens]:
+                self.executor.unsafe_compute_mask_ptr(plain, ptr, width, rows)
+            if drafted := [(w.matcher, row, list(tokens)) for w, row, tokens in walks if tokens]:
+                self.executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, width, rows)
+        else:
+            for w, row, tokens in walks:
+                w.matcher.unsafe_compute_mask_ptr(ptr + row * width, width)
+                for i, token in enumerate(tokens):
+                    w.push([token])
+                    w.matcher.unsafe_compute_mask_ptr(ptr + (row + i + 1) * width, width)
+                w.pop(len(tokens))
         self.mask_seconds += time.perf_counter() - t0
         return bitmask
 
