@@ -36,12 +36,13 @@ class Auditor:
     def audit_for(self, seq: Sequence) -> Sequence | None:
         """The audit sequence to run for ``seq`` (just finished), or None. Eligible: greedy requests
         that finished normally after drafting, whose logits the request leaves untouched (no
-        logit_bias, penalties, min_tokens or grammar), so the target's raw top-2 logprobs decide near-ties."""
+        logit_bias, penalties, min_tokens, grammar or token healing), so the target's raw top-2 logprobs
+        decide near-ties."""
         p = seq.params
         if (
             self.fraction <= 0.0 or seq.audit is not None or not p.greedy or seq.num_draft_tokens == 0
             or seq.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH)
-            or p.logit_bias or p.uses_penalties or p.min_tokens or p.constraint is not None
+            or p.logit_bias or p.uses_penalties or p.min_tokens or p.constraint is not None or seq.num_healed_tokens
         ):
             return None
         self._credit += self.fraction

@@ -44,11 +44,21 @@ class IncrementalDetokenizer:
 @dataclass
 class TextState:
     """One request's output text: the detokenizer, the text so far (a stop string already cut) and
-    how much of it has been handed out in deltas."""
+    how much of it has been handed out in deltas. ``skip``: characters of decoded text still to drop
+    before the output begins, the prompt text that token healing re-generates (engine.structured.healing),
+    so it is never shown again and no stop string matches inside it."""
 
     detok: IncrementalDetokenizer | None = None
     text: str = ""
     released: int = 0
+    skip: int = 0
+
+    def add(self, decoded: str) -> str:
+        """Append newly decoded text; returns the part that is output (the rest was the healed prompt text)."""
+        cut = min(self.skip, len(decoded))
+        self.skip -= cut
+        self.text += decoded[cut:]
+        return decoded[cut:]
 
 
 def find_stop(text: str, stops: tuple[str, ...], new_chars: int) -> tuple[int, str] | None:

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.loader import load
 from engine.model_runner import step_batch
 from engine.outputs import RequestOutput, Verdict
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParamError, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import FinishReason, Sequence
 from engine.speculative.adaptive import AdaptivePolicy
@@ -25,6 +25,7 @@ from engine.speculative.verifier import Verifier
 from engine.stats import AuditStats, SpecDecodeStats, StepStats
 from engine.stop import StopChecker
 from engine.structured.grammar import GrammarBackend
+from engine.structured.healing import heal
 
 
 def check_text(text: str) -> None:
@@ -90,6 +91,8 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer, and this model has none")
         if params.constraint is not None:
             self.grammars.grammar(params.constraint)  # compiled (and cached) here: a bad one is a 400, not a failure
+        if params.token_healing and self.tokenizer is None:
+            raise SamplingParamError("token_healing", "needs a tokenizer, and this model has none")
         return ids
 
     @property
@@ -122,9 +125,14 @@ class LLMEngine:
                 f"whole KV cache holds ({self.kv_capacity_tokens} tokens)"
             )
         key = rng.request_key(params.seed, self._keys)
-        seq = Sequence(request_id, list(ids), params, arrival_time=time.monotonic(), key=key)
+        healing = heal(self.grammars, list(ids)) if params.token_healing else None
+        seq = Sequence(request_id, healing.prompt if healing else list(ids), params, arrival_time=time.monotonic(),
+                       key=key)
         if params.constraint is not None:
             seq.grammar = self.grammars.start(params.constraint)
+        if healing is not None:
+            seq.grammar, seq.num_healed_tokens = healing.state, 1
+            seq.text.skip = len(healing.text)
         self._add(seq)
 
     def _add(self, seq: Sequence) -> None:

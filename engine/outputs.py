@@ -46,7 +46,7 @@ class RequestOutput:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
+            num_prompt_tokens=seq.num_prompt_tokens + seq.num_healed_tokens,  # the prompt the client sent
             num_cached_tokens=seq.prefix.cached_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_draft_tokens=seq.num_draft_tokens,

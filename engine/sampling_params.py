@@ -38,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; N: the emitted token's logprob plus top-N
     num_speculative_tokens: int | None = None
     constraint: Constraint | None = None  # the output must match it (engine.structured)
+    token_healing: bool = False  # back off the prompt's last token and re-generate it (engine.structured.healing)
 
     def __post_init__(self) -> None:
         # Accept lists for convenience; store tuples so nothing shared can be mutated afterwards.
@@ -71,6 +72,9 @@ class SamplingParams:
         if self.constraint is not None:
             # The grammar decides where the output ends; a floor on its length could contradict it.
             _check(self.min_tokens == 0, "min_tokens", "cannot be combined with structured output")
+            # Composing the healed text with the request's grammar would need a grammar for "the rest of a
+            # token, then the user's grammar", which no constraint kind expresses: refused, not half-done.
+            _check(not self.token_healing, "token_healing", "cannot be combined with structured output")
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         if self.logprobs is not None:
             _check(0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")

@@ -202,6 +202,8 @@ class Scheduler:
             kept.append(token)
             if seq.grammar is not None:
                 seq.grammar.advance(token)
+                if seq.grammar.lifted:
+                    seq.grammar = None  # token healing re-spelled the prompt's end: the rest is unconstrained
             reason = self.stop.check(seq, token)
             if reason is not None:
                 break

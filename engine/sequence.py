@@ -66,6 +66,7 @@ class Sequence:
     arrival_time: float = 0.0
     key: int = 0  # keys every random draw this request makes (engine.rng)
     num_prompt_tokens: int = 0
+    num_healed_tokens: int = 0  # prompt tokens token healing backed off (engine.structured.healing): still the client's
     num_computed: int = 0
     draft_num_computed: int = 0  # the draft model's own cache, kept in step with the target's
     block_table: list[int] = field(default_factory=list)

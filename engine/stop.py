@@ -29,11 +29,10 @@ class StopChecker:
         may_stop = seq.num_output_tokens > p.min_tokens  # the same rule that bans EOS in the logits
         if may_stop and ((token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids):
             # The stop token's own text is not part of the output; what was pending before it is.
-            st.text += st.detok.flush() if st.detok is not None else ""
+            st.add(st.detok.flush() if st.detok is not None else "")
             seq.stop_reason = None if token in self.eos_ids and not p.ignore_eos else token
             return FinishReason.STOP
-        delta = st.detok.add(token) if st.detok is not None else ""
-        st.text += delta
+        delta = st.add(st.detok.add(token) if st.detok is not None else "")
         if may_stop and p.stop and delta:
             hit = find_stop(st.text, p.stop, len(delta))
             if hit is not None:
@@ -42,10 +41,10 @@ class StopChecker:
                 return FinishReason.STOP
         if seq.grammar is not None and seq.grammar.finished:
             # The grammar allows nothing but the end: the masked target's next token would be EOS.
-            st.text += st.detok.flush() if st.detok is not None else ""
+            st.add(st.detok.flush() if st.detok is not None else "")
             return FinishReason.STOP
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            st.text += st.detok.flush() if st.detok is not None else ""
+            st.add(st.detok.flush() if st.detok is not None else "")
             return FinishReason.LENGTH
         return None
 

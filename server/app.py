@@ -73,7 +73,7 @@ def create_app(
     tracking = RequestTracking(
         state.metrics, log_requests=config.log_requests or config.log_request_text, log_text=config.log_request_text
     )
-    limits = Limits(config.max_n, config.max_stop_sequences, config.request_timeout)
+    limits = Limits(config.max_n, config.max_stop_sequences, config.request_timeout, config.token_healing)
     if config.trust_remote_code:
         logger.warning(
             "--trust-remote-code is on: Python code shipped with %s will run in this process; "

@@ -123,7 +123,8 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     ctx.check_request(req)
     prompt = render(req, ctx, tool_plan)
-    params = sampling_params(req, ctx.provisional_max(max_tokens), logprobs, ctx.engine.vocab_size, constraint)
+    params = sampling_params(req, ctx.provisional_max(max_tokens), logprobs, ctx.engine.vocab_size, constraint,
+                             ctx.limits.token_healing)
     ids, params = ctx.prepare(prompt, params, max_tokens, "messages")  # no max: OpenAI's default, the rest
     rid = new_id("chatcmpl")
     requests, choices = [], {}

@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         "punctuation, closing brackets); they are drafted for free by default and output is the same either way",
     )
     s.add_argument(
+        "--token-healing", action="store_true",
+        help="heal the prompt's last token by default: it is backed off and the model re-spells it, so a prompt "
+        "that ends at a line end continues the way the tokenizer would have merged it (requests decide with "
+        "token_healing; never applied by default to structured output)",
+    )
+    s.add_argument(
         "--trust-remote-code", action="store_true",
         help="run Python code shipped with the model directory (off by default; a warning is logged when on)",
     )

@@ -50,7 +50,8 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: Serving) 
     requests, choices, prompt_ids = [], {}, []
     for p, prompt in enumerate(prompts):
         params = sampling_params(
-            req, ctx.provisional_max(req.max_tokens), req.logprobs, ctx.engine.vocab_size, constraint
+            req, ctx.provisional_max(req.max_tokens), req.logprobs, ctx.engine.vocab_size, constraint,
+            ctx.limits.token_healing,
         )
         ids, params = ctx.prepare(prompt, params, req.max_tokens, "prompt")
         prompt_ids.append(ids)

@@ -64,6 +64,7 @@ class ServerConfig:
     compile: bool = False  # torch.compile the decode and verify forwards (compiled at start-up)
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes earlier requests computed
     grammar_drafts: bool = True  # with speculation on, draft what a request's grammar forces (free)
+    token_healing: bool = False  # the default of requests that leave token_healing unset (engine.structured.healing)
     cuda_graphs: bool | None = None  # decode and verify forwards as CUDA graphs; None: on where the model is on one GPU
     log_level: str = "info"
     log_stats_interval: float = 10.0  # seconds between stats log lines while busy; 0 turns them off

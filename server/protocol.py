@@ -63,6 +63,9 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None  # Lark, as llguidance reads it
+    # Back off the prompt's last token and let the model re-spell it (engine.structured.healing); None: the
+    # server's default (--token-healing), which requests with structured output never take.
+    token_healing: bool | None = None
 
     @field_validator("stream_options")
     @classmethod

@@ -37,11 +37,13 @@ MAX_LOGIT_BIAS = 300  # entries, applied in Python to every row of every step
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-request limits from the server's options (--max-n, --max-stop-sequences, --request-timeout)."""
+    """Per-request limits and defaults from the server's options (--max-n, --max-stop-sequences,
+    --request-timeout, --token-healing)."""
 
     max_n: int = 128
     max_stop_sequences: int = 4
     request_timeout: float | None = None  # seconds; None: no deadline
+    token_healing: bool = False  # for requests that leave token_healing unset
 
 
 class ClientGoneError(Exception):
@@ -160,9 +162,12 @@ def new_id(prefix: str) -> str:
 
 
 def sampling_params(
-    req: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int, constraint: Constraint | None = None
+    req: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int, constraint: Constraint | None = None,
+    token_healing: bool = False,
 ) -> SamplingParams:
-    """The request's fields as SamplingParams (their range errors name the field: a 400 upstream)."""
+    """The request's fields as SamplingParams (their range errors name the field: a 400 upstream).
+    ``token_healing``: the server's default, for requests that leave it unset and have no constraint (the
+    two do not combine: asked for explicitly, that is a 400 naming token_healing)."""
     bias: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
         try:
@@ -193,6 +198,7 @@ def sampling_params(
         logprobs=logprobs,
         num_speculative_tokens=req.num_speculative_tokens,
         constraint=constraint,
+        token_healing=req.token_healing if req.token_healing is not None else token_healing and constraint is None,
     )
 
 

@@ -31,6 +31,17 @@ class GrammarState:
             raise RuntimeError(f"the grammar rejected emitted token {token}: {self.matcher.get_error()}")
 
     @property
+    def lifted(self) -> bool:
+        """The constraint no longer applies, so the request goes on without it (engine.structured.healing);
+        a request's own grammar holds to the end."""
+        return False
+
+    def limit(self, tokens: list[int]) -> list[int] | None:
+        """The part of a walk over ``tokens`` that this state masks: the rows after it stay all ones. None:
+        not even the current row (a constraint lifted part-way through proposed tokens)."""
+        return tokens
+
+    @property
     def finished(self) -> bool:
         """The grammar is complete and allows nothing more: the output ends here."""
         return bool(self.matcher.is_stopped())
@@ -95,6 +106,7 @@ class GrammarBackend:
         rows ``row + 1 ..`` with the masks after each of ``tokens`` (which must all be valid): the rows of
         one sequence's verification. The whole batch in one call, spread over llguidance's threads."""
         t0 = time.perf_counter()
+        walks = [(w, row, cut) for w, row, tokens in walks if (cut := w.limit(list(tokens))) is not None]
         bitmask = torch.full((rows, (self.vocab + 31) // 32), -1, dtype=torch.int32)
         ptr, width = bitmask.data_ptr(), bitmask.shape[1] * 4
         if self.executor is not None and len(walks) >= self.parallel_from:

@@ -224,3 +224,13 @@ def test_a_model_that_fails_to_load_ends_the_process_with_a_nonzero_code(tmp_pat
     proc = Process(tmp_path, ["--model", str(tmp_path / "not-a-model"), "--device", "cpu"])
     assert proc.wait_exit(180) == 1
     assert "loading the model failed" in proc.log.read_text()
+
+
+def test_token_healing_is_off_unless_a_flag_a_variable_or_the_yaml_turns_it_on(monkeypatch, tmp_path):
+    assert parse_config(["serve", "--model", "org/m"]).token_healing is False
+    assert parse_config(["serve", "--model", "org/m", "--token-healing"]).token_healing is True
+    path = tmp_path / "c.yaml"
+    path.write_text("model: org/m\ntoken-healing: true\n")
+    assert parse_config(["serve", "--config", str(path)]).token_healing is True
+    monkeypatch.setenv("SPECD_TOKEN_HEALING", "true")
+    assert parse_config(["serve", "--model", "org/m"]).token_healing is True
