@@ -99,3 +99,18 @@ def assert_same_sample_unless_near_tie(
     assert gap < NEAR_TIE, (
         f"{label}: diverged at output position {j}, not a near-tie ({gap:.3g})\n got  {got}\n want {want}"
     )
+
+
+def reference_transform(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """An independent re-statement of the documented transform, for the reference law only."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    mass = 0.0
+    for rank, tok in enumerate(order.tolist()):
+        if (top_k and rank >= top_k) or mass >= top_p:
+            break
+        keep[tok] = True
+        mass += float(probs[tok])
+    probs = probs * keep
+    return probs / probs.sum()

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import LLM, SamplingParams
 from engine.speculative.source import Proposal
+from tests.engine.lossless import reference_transform
 
 V = 8
 PROMPT = [1, 2, 3, 1, 2]
@@ -48,26 +49,11 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
     return root / "target", root / "draft"
 
 
-def _transform(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """An independent re-statement of the documented transform, for the reference law only."""
-    probs = torch.softmax(logits / temperature, dim=-1)
-    order = probs.argsort(descending=True)
-    keep = torch.zeros_like(probs, dtype=torch.bool)
-    mass = 0.0
-    for rank, tok in enumerate(order.tolist()):
-        if (top_k and rank >= top_k) or mass >= top_p:
-            break
-        keep[tok] = True
-        mass += float(probs[tok])
-    probs = probs * keep
-    return probs / probs.sum()
-
-
 @torch.inference_mode()
 def exact_joint(model_dir: Path, **params) -> np.ndarray:
     """P(t1, t2, t3) under the model alone, shape [V, V, V]."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    dist = lambda ids: _transform(model(torch.tensor([ids])).logits[0, -1], **params)  # noqa: E731
+    dist = lambda ids: reference_transform(model(torch.tensor([ids])).logits[0, -1], **params)  # noqa: E731
     joint = np.zeros((V, V, V))
     p1 = dist(PROMPT)
     for a in range(V):

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTr
 from engine import LLM, SamplingParams
 from engine.speculative.source import Proposal
 from engine.structured.constraint import Constraint
+from tests.engine.lossless import reference_transform
 
 LETTERS = "abcdefg"  # token i is LETTERS[i]: the ByteLevel alphabet maps ASCII letters to themselves
 EOS = 7
@@ -106,21 +107,6 @@ def test_the_tokenizer_and_regexes_mean_what_the_test_assumes(pair):
         assert state.finished, name
 
 
-def _transform(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """An independent re-statement of the documented transform, for the reference law only."""
-    probs = torch.softmax(logits / temperature, dim=-1)
-    order = probs.argsort(descending=True)
-    keep = torch.zeros_like(probs, dtype=torch.bool)
-    mass = 0.0
-    for rank, tok in enumerate(order.tolist()):
-        if (top_k and rank >= top_k) or mass >= top_p:
-            break
-        keep[tok] = True
-        mass += float(probs[tok])
-    probs = probs * keep
-    return probs / probs.sum()
-
-
 @torch.inference_mode()
 def exact_joint(model_dir: Path, classes: tuple[str, ...], mode: str = "masked", **params) -> np.ndarray:
     """P(t1 .. tL) of the constrained output, shape [V] * L. "masked", the law the engine must follow:
@@ -136,7 +122,7 @@ def exact_joint(model_dir: Path, classes: tuple[str, ...], mode: str = "masked",
             mask = torch.full_like(logits, float("-inf"))
             mask[allowed[j]] = 0.0
             logits = logits + mask
-        p = _transform(logits, **params).double().numpy()
+        p = reference_transform(logits, **params).double().numpy()
         if mode == "truncated first":
             kept = np.zeros_like(p)
             kept[allowed[j]] = p[allowed[j]]
