@@ -113,7 +113,9 @@ class Drafting:
         if proposal is not None:
             for i, t in zip(at, proposal.tokens):
                 tokens[i] = t
-        modelled = [len(t) if i in at else 0 for i, t in enumerate(tokens)]  # leading drafts with a real q
+        modelled = [0] * len(tokens)  # leading drafts with a real q
+        for i in at:
+            modelled[i] = len(tokens[i])
         tokens = with_forced(scheduled, grammatical(scheduled, tokens))
         if proposal is None or proposal.probs is None:
             return Drafts(tokens, None)
