@@ -183,33 +183,34 @@ def measure(args: argparse.Namespace) -> dict:
                 runner.static = None
                 eager = time_forward(runner, batch, args.iters)
                 want = runner.forward(batch)
-                runner.use_buckets(buckets)
-                assert runner.static is not None
-                bucket = runner.static.fits([q] * g, [args.context + q] * g)
-                t = time.perf_counter()
-                runner.static.capture_bucket(bucket)  # type: ignore[arg-type]
-                capture = time.perf_counter() - t
-                graphs = time_forward(runner, batch, args.iters)
-                if args.profile and g == 1 and q == 1:
-                    profile(runner, batch, f"{role} batch {g} x {q}, graphs")
-                got = runner.forward(batch)
                 matmuls = linears_alone(model, g * q, args.iters)
-                diff = float((got - want).abs().max())
-                assert runner.static.replays > 0
                 floor_w = weights / bandwidth
                 floor_kv = (weights + g * (args.context + q) * kv_per_token) / bandwidth
-                row = dict(model=role, batch=g, query=q, context=args.context, bucket=str(bucket),
-                           eager_ms=eager * 1e3, graph_ms=graphs * 1e3, speedup=eager / graphs,
-                           floor_weights_ms=floor_w * 1e3, floor_weights_kv_ms=floor_kv * 1e3,
-                           graph_over_floor=graphs / floor_kv, capture_s=capture, max_abs_logit_diff=diff,
-                           linears_ms=matmuls * 1e3)
-                rows.append(row)
-                print(f"  {role:6s} batch {g:3d} x {q} tokens: eager {eager * 1e3:7.2f} ms, graphs {graphs * 1e3:7.2f} "
-                      f"ms ({eager / graphs:4.2f}x), floor {floor_kv * 1e3:6.2f} ms (weights {floor_w * 1e3:.2f}) -> "
-                      f"graphs at {graphs / floor_kv:.2f}x floor; linears alone {matmuls * 1e3:.2f} ms; "
-                      f"capture {capture:.2f}s; "
-                      f"|logit diff| {diff:.3g}",
-                      flush=True)
+                for kernel in args.attention:
+                    runner.use_buckets(buckets, paged_kernel=kernel == "flex")
+                    assert runner.static is not None
+                    bucket = runner.static.fits([q] * g, [args.context + q] * g)
+                    t = time.perf_counter()
+                    if runner.static.capture:
+                        runner.static.capture_bucket(bucket)  # type: ignore[arg-type]
+                    else:
+                        runner.forward(batch)  # on CPU: the first run compiles flex_attention
+                    capture = time.perf_counter() - t
+                    graphs = time_forward(runner, batch, args.iters)
+                    if args.profile and q == 1 + (g > 1) * k:
+                        profile(runner, batch, f"{role} batch {g} x {q}, graphs, {kernel} attention")
+                    got = runner.forward(batch)
+                    diff = float((got - want).abs().max())
+                    assert runner.static.replays > 0
+                    rows.append(dict(model=role, batch=g, query=q, context=args.context, bucket=str(bucket),
+                                     attention=kernel, eager_ms=eager * 1e3, graph_ms=graphs * 1e3,
+                                     speedup=eager / graphs, floor_weights_ms=floor_w * 1e3,
+                                     floor_weights_kv_ms=floor_kv * 1e3, graph_over_floor=graphs / floor_kv,
+                                     capture_s=capture, max_abs_logit_diff=diff, linears_ms=matmuls * 1e3))
+                    print(f"  {role:6s} batch {g:3d} x {q} tokens, {kernel:6s}: eager {eager * 1e3:7.2f} ms, graphs "
+                          f"{graphs * 1e3:7.2f} ms ({eager / graphs:4.2f}x), floor {floor_kv * 1e3:6.2f} ms (weights "
+                          f"{floor_w * 1e3:.2f}) -> graphs at {graphs / floor_kv:.2f}x floor; linears alone "
+                          f"{matmuls * 1e3:.2f} ms; capture {capture:.2f}s; |logit diff| {diff:.3g}", flush=True)
         del runner, model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -221,7 +222,8 @@ def measure(args: argparse.Namespace) -> dict:
 
 def spec_steps(rows: list[dict], k: int) -> list[dict]:
     """A decode step without speculation, and a speculative step of k draft forwards plus one verify."""
-    at = {(r["model"], r["batch"], r["query"]): r for r in rows}
+    kernel = rows[-1].get("attention", "gather")  # the last kernel measured (flex, unless only gather ran)
+    at = {(r["model"], r["batch"], r["query"]): r for r in rows if r.get("attention", "gather") == kernel}
     out = []
     for g in sorted({r["batch"] for r in rows}):
         decode, verify, draft = at[("target", g, 1)], at[("target", g, k + 1)], at[("draft", g, 1)]
@@ -233,10 +235,11 @@ def spec_steps(rows: list[dict], k: int) -> list[dict]:
 
 
 def table(result: dict) -> str:
-    lines = ["| model | batch x tokens | eager ms | graphs ms | eager / graphs | linears alone ms | floor ms | "
-             "graphs / floor |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| model | batch x tokens | attention | eager ms | graphs ms | eager / graphs | linears alone ms | "
+             "floor ms | graphs / floor |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["rows"]:
-        lines.append(f"| {r['model']} | {r['batch']} x {r['query']} | {r['eager_ms']:.2f} | {r['graph_ms']:.2f} | "
+        lines.append(f"| {r['model']} | {r['batch']} x {r['query']} | {r.get('attention', 'gather')} | "
+                     f"{r['eager_ms']:.2f} | {r['graph_ms']:.2f} | "
                      f"{r['speedup']:.2f} | {r['linears_ms']:.2f} | {r['floor_weights_kv_ms']:.2f} | "
                      f"{r['graph_over_floor']:.2f} |")
     return "\n".join(lines)
@@ -249,9 +252,9 @@ def plot(result: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    labels = [f"{r['model']}\n{r['batch']}x{r['query']}" for r in rows]
+    labels = [f"{r['model']}\n{r['batch']}x{r['query']}\n{r.get('attention', 'gather')}" for r in rows]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(12, 4))
     ax.bar([i - 0.27 for i in x], [r["eager_ms"] for r in rows], 0.27, label="eager")
     ax.bar(list(x), [r["graph_ms"] for r in rows], 0.27, label="CUDA graphs")
     ax.bar([i + 0.27 for i in x], [r["floor_weights_kv_ms"] for r in rows], 0.27, label="read floor")
@@ -276,7 +279,10 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["target", "draft"], choices=["target", "draft"])
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model under the graphs (inductor's fused kernels, captured)")
-    p.add_argument("--profile", action="store_true", help="print the top kernels of a batch-1 graph replay")
+    p.add_argument("--profile", action="store_true",
+                   help="print the top kernels of the batch-1 decode and the batched verify graph replays")
+    p.add_argument("--attention", nargs="+", default=["gather", "flex"], choices=["gather", "flex"],
+                   help="the bucketed forwards' attention: a padded gather + SDPA, or FlexAttention in place")
     p.add_argument("--out", type=Path)
     p.add_argument("--plot", type=Path, help="plot a result file instead of measuring")
     p.add_argument("--png", type=Path, default=Path("docs/cuda_step.png"))

@@ -8,17 +8,23 @@ then attend each query token to its own sequence's cached K/V with a causal limi
 Sequences with few new tokens (decode and verify steps) are padded into one batched SDPA call;
 long chunks (prefill) get one call each, so padding never multiplies a long prompt's cost. A forward
 in a static bucket shape (engine.graphs) brings ``PaddedMetadata`` instead: every shape fixed by
-the bucket, nothing computed from host values, so it can be captured as a CUDA graph.
+the bucket, nothing computed from host values, so it can be captured as a CUDA graph. Such a
+forward either gathers each sequence's keys into a padded copy (SDPA over it: the CPU's path) or,
+with a ``PagedMask``, reads the cache in place through the block table with FlexAttention, whose
+block-sparse kernel visits only the blocks a sequence owns (the GPU's path: no copy per layer).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
 from engine.kv_cache import PagedKVCache
@@ -26,6 +32,11 @@ from engine.kv_cache import PagedKVCache
 ATTN_IMPL = "specd_paged"
 METADATA_KWARG = "specd_attn"  # the keyword argument that carries AttentionMetadata through the model
 SHORT_QUERY = 32  # sequences feeding at most this many tokens share one padded attention call
+# The eager path's shapes change every step (contexts grow; prefill chunks and a draft's catch-up come in
+# every length). SDPA's cuDNN backend, which torch prefers on Hopper, builds a plan for each new shape:
+# 10-20 ms a time, measured on an H200, where flash and memory-efficient kernels need none. The static
+# buckets (engine.graphs) keep cuDNN: their shapes are fixed, so each plan is built once, at capture.
+_DYNAMIC_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -88,11 +99,43 @@ class PaddedMetadata:
     positions: torch.Tensor  # [G, Q] long
     key_slots: torch.Tensor  # [G, C] long: cache slot of key position c, through the block table
     mask: torch.Tensor  # [G, 1, Q, C] bool: key position <= query position (keys past a context are masked)
+    paged: PagedMask | None = None  # set: attend through the block table with FlexAttention instead
 
     def on(self, device: torch.device) -> PaddedMetadata:
         if device != self.slot_mapping.device:
             raise RuntimeError("static-shape forwards run on one device (engine.graphs is off for split models)")
         return self
+
+
+@dataclass(frozen=True)
+class PagedMask:
+    """FlexAttention over the whole cache as one key sequence (slot s is key index s): sequence g's
+    block mask lists its own blocks, in table order, so the kernel reads nothing else; ``logical``
+    turns a visited slot back into a position for the causal (and sliding-window) test."""
+
+    block_mask: BlockMask  # batch G, one query block, kv_indices = block tables
+    logical: torch.Tensor  # [G, num_blocks + 1] int32: physical block -> its index in sequence g's table
+    positions: torch.Tensor  # [G, Q_max] long: the queries' positions, zero past the bucket's
+
+
+_FLEX: list = []  # the compiled flex_attention, made on first use (compiling at import would cost every process)
+
+
+def flex() -> Callable[..., torch.Tensor]:
+    """flex_attention compiled: eager flex_attention is a reference implementation, not a kernel."""
+    if not _FLEX:
+        # One graph per batch bucket and per model's head layout (the draft's differs from the target's):
+        # more than dynamo's default of 8 recompilations of one function.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        _FLEX.append(torch.compile(flex_attention, dynamic=False, fullgraph=True))
+    return _FLEX[0]
+
+
+def flex_supported(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int) -> bool:
+    """Layers FlexAttention's short-query kernel takes: query heads per KV head a power of two, equal
+    K and V widths (others keep the gather path)."""
+    group = num_heads // num_kv_heads
+    return num_heads % num_kv_heads == 0 and group & (group - 1) == 0 and head_dim == v_head_dim
 
 
 _Layout = TypeVar("_Layout", "AttentionMetadata", ShortGroup, LongSeq)
@@ -195,7 +238,22 @@ def paged_attention_forward(
         return _padded_attention(module.layer_idx, query, key, value, scaling, specd_attn.on(query.device),
                                  sliding_window), None
     meta = specd_attn.on(query.device)
-    layer = module.layer_idx
+    if query.is_cuda:
+        with sdpa_kernel(_DYNAMIC_BACKENDS):
+            return _dynamic_attention(module.layer_idx, query, key, value, scaling, meta, sliding_window), None
+    return _dynamic_attention(module.layer_idx, query, key, value, scaling, meta, sliding_window), None
+
+
+def _dynamic_attention(
+    layer: int,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, Dv]
+    scaling: float | None,
+    meta: AttentionMetadata,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The eager path: shapes as this step's batch has them. [1, T, H, Dv]"""
     k_cache, v_cache = meta.cache.k[layer], meta.cache.v[layer]  # [slots, Hkv, D]
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
     k_cache.index_copy_(0, meta.slot_mapping, k_new.to(k_cache.dtype))
@@ -225,8 +283,25 @@ def paged_attention_forward(
             mask[:, :, :, 0] |= ~g.valid[:, None]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [G, H, Q, D]
         if g.dense:
-            return o.permute(0, 2, 1, 3).reshape(1, G * Q, *out.shape[1:]), None  # [1, T, H, Dv]
+            return o.permute(0, 2, 1, 3).reshape(1, G * Q, *out.shape[1:])  # [1, T, H, Dv]
         out.index_copy_(0, g.real_rows, o.permute(0, 2, 1, 3).reshape(G * Q, *out.shape[1:]).index_select(0, g.real))
+    _long_attention(meta, q_all, k_new, v_new, k_cache, v_cache, out, scaling, sliding_window, gqa)
+    return out[None]  # [1, T, H, Dv]
+
+
+def _long_attention(
+    meta: AttentionMetadata,
+    q_all: torch.Tensor,  # [T, H, D]
+    k_new: torch.Tensor,  # [T, Hkv, D]
+    v_new: torch.Tensor,  # [T, Hkv, Dv]
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, Dv]
+    out: torch.Tensor,  # [T, H, Dv], written in place
+    scaling: float | None,
+    sliding_window: int | None,
+    gqa: bool,
+) -> None:
+    """One SDPA call per long sequence, over its cached context (or only its fresh tokens)."""
     for s in meta.long:
         q = q_all[s.rows].transpose(0, 1)[None]  # [1, H, q, D]
         if s.fresh:
@@ -245,7 +320,6 @@ def paged_attention_forward(
             continue
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [1, H, q, D]
         out[s.rows] = o[0].transpose(0, 1)
-    return out[None], None  # [1, T, H, Dv], no attention weights
 
 
 def _padded_attention(
@@ -264,6 +338,10 @@ def _padded_attention(
     G, Q = meta.positions.shape
     C = meta.key_slots.shape[1]
     q = query[0].unflatten(1, (G, Q)).transpose(0, 1)  # [G, H, Q, D]
+    gqa = query.shape[1] != key.shape[1]
+    if meta.paged is not None and flex_supported(query.shape[1], key.shape[1], query.shape[3], value.shape[3]):
+        o = _paged_flex(q, k_cache, v_cache, scaling, meta.paged, meta.cache.block_size, sliding_window, gqa)
+        return o.transpose(1, 2).reshape(1, G * Q, o.shape[1], o.shape[3])
     flat = meta.key_slots.view(-1)
     k = k_cache.index_select(0, flat).view(G, C, *k_cache.shape[1:]).transpose(1, 2)  # [G, Hkv, C, D]
     v = v_cache.index_select(0, flat).view(G, C, *v_cache.shape[1:]).transpose(1, 2)  # [G, Hkv, C, Dv]
@@ -271,9 +349,38 @@ def _padded_attention(
     if sliding_window is not None:
         # Every row, padding too, sees at least the key at its own position: no all-masked row, no NaN.
         mask = mask & _window(meta.positions, torch.arange(C, device=q.device), sliding_window)[:, None]
-    gqa = query.shape[1] != key.shape[1]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [G, H, Q, Dv]
     return o.transpose(1, 2).reshape(1, G * Q, o.shape[1], o.shape[3])  # [1, G * Q, H, Dv]
+
+
+def _paged_flex(
+    q: torch.Tensor,  # [G, H, Q, D]
+    k_cache: torch.Tensor,  # [slots + 1, Hkv, D]
+    v_cache: torch.Tensor,  # [slots + 1, Hkv, Dv]
+    scaling: float | None,
+    paged: PagedMask,
+    block_size: int,
+    sliding_window: int | None,
+    gqa: bool,
+) -> torch.Tensor:
+    """Each sequence's queries over its own blocks, read in place: [G, H, Q, Dv]. Queries are padded to
+    the largest query bucket (rows past Q are discarded), so flex_attention compiles one shape per batch."""
+    G, Q = q.shape[0], q.shape[2]
+    Qm = paged.positions.shape[1]
+    n = (paged.logical.shape[1] - 1) * block_size  # the scratch slot is no key
+    k = k_cache[:n].permute(1, 0, 2)[None].expand(G, -1, -1, -1)  # [G, Hkv, slots, D], a view
+    v = v_cache[:n].permute(1, 0, 2)[None].expand(G, -1, -1, -1)
+    q = F.pad(q, (0, 0, 0, Qm - Q))  # [G, H, Q_max, D]
+    score_mod = None
+    if sliding_window is not None:
+        logical, positions, window = paged.logical, paged.positions, sliding_window
+
+        def score_mod(score, b, h, qi, ki):  # noqa: ANN001, ANN202
+            kpos = logical[b, ki // block_size] * block_size + ki % block_size
+            return torch.where(positions[b, qi] - kpos < window, score, -float("inf"))
+
+    o = flex()(q, k, v, score_mod=score_mod, block_mask=paged.block_mask, scale=scaling, enable_gqa=gqa)
+    return o[:, :, :Q]
 
 
 def register() -> None:

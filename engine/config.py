@@ -48,6 +48,9 @@ class EngineConfig:
     # Decode and verify forwards padded to static buckets and replayed as CUDA graphs (engine.graphs).
     # None = on where the target runs on one GPU; True on CPU runs the padded forwards eagerly (tests).
     cuda_graphs: bool | None = None
+    # How a bucketed forward's attention reads the cache: "flex" through the block table (FlexAttention), "gather"
+    # into a padded copy per layer (SDPA), "auto": flex on CUDA, gather on CPU (where it measured faster).
+    paged_attention: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_method, str):
@@ -76,6 +79,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0.0 <= self.audit_fraction <= 1.0:
             raise ValueError(f"audit_fraction must be in [0, 1], got {self.audit_fraction}")
+        if self.paged_attention not in ("auto", "flex", "gather"):
+            raise ValueError(f"paged_attention must be auto, flex or gather, got {self.paged_attention!r}")
         if self.device_map is not None:
             object.__setattr__(self, "device_map", parse_device_map(self.device_map))
 

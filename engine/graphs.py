@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
 
 from engine import attention
 from engine.kv_cache import PagedKVCache
@@ -86,9 +88,11 @@ class StaticForward:
 
     def __init__(
         self, model: torch.nn.Module, cache: PagedKVCache, buckets: Buckets, device: torch.device, name: str,
-        call: Callable[..., Any] | None = None,
+        call: Callable[..., Any] | None = None, paged_kernel: bool = False,
     ) -> None:
-        """``call``: what runs the model (a torch.compile'd one, whose kernels the graphs then capture)."""
+        """``call``: what runs the model (a torch.compile'd one, whose kernels the graphs then capture).
+        ``paged_kernel``: attention reads the cache through the block table (FlexAttention) instead of
+        gathering each sequence's keys into a padded copy."""
         self.cache, self.buckets, self.name = cache, buckets, name
         self.call = model if call is None else call
         self.device = device
@@ -113,6 +117,18 @@ class StaticForward:
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0  # forwards run in a bucket (graph replays on CUDA)
+        self.paged_kernel = paged_kernel
+        # One sparse query block spans every query of a sequence. FlexAttention's short-query kernel tiles
+        # (queries x query heads per KV head) rows by a power of two that must divide it: 1024 covers 16
+        # queries of a group of 64 heads.
+        self._query_block = 1024
+        if paged_kernel:
+            # Per sequence: the block mask's block lists (blocks every query sees whole, then the blocks that
+            # need the causal test; unused columns after them) and the inverse map physical block -> index in
+            # the table, one column past the blocks for entries past the table.
+            self._full_indices = torch.zeros(self.G, 1, 1, cache.num_blocks, dtype=torch.int32, device=device)
+            self._kv_indices = torch.zeros(self.G, 1, 1, cache.num_blocks, dtype=torch.int32, device=device)
+            self._logical = torch.zeros(self.G, cache.num_blocks + 1, dtype=torch.int32, device=device)
 
     def _section(self, name: str, n: int) -> torch.Tensor:
         return self.buf[self._off[name] : self._off[name] + n]
@@ -134,10 +150,48 @@ class StaticForward:
         key_slots = self._tables(b).index_select(1, kpos // bs) * bs + kpos % bs  # [G, C]
         qpos = positions.view(b.batch, b.query)  # [G, Q]
         mask = (kpos[None, None, :] <= qpos[:, :, None])[:, None]  # [G, 1, Q, C]
-        meta = attention.PaddedMetadata(self.cache, self._section("slots", T), qpos, key_slots, mask)
+        paged = self._paged_mask(b, qpos) if self.paged_kernel else None
+        meta = attention.PaddedMetadata(self.cache, self._section("slots", T), qpos, key_slots, mask, paged)
         out = self.call(input_ids=ids[None], position_ids=positions[None], use_cache=False,
                          **{attention.METADATA_KWARG: meta})
         self.logits[:T].copy_(out.logits[0])  # [T, V], float32
+
+    def _paged_mask(self, b: Bucket, qpos: torch.Tensor) -> attention.PagedMask:
+        """The block mask of bucket ``b``'s sequences over the whole cache, from the block tables on the device.
+        Queries are laid out to the largest query bucket (those past ``b.query`` see one key), so flex_attention
+        compiles one shape per batch bucket."""
+        G, bs, n = b.batch, self.block_size, self.cache.num_blocks
+        tables = self._tables(b)  # [G, NB]
+        NB = tables.shape[1]
+        used = qpos.amax(1) // bs + 1  # [G] blocks holding positions 0 .. the last query's
+        j = torch.arange(NB, device=self.device)  # [NB]
+        # Only the blocks in use get their entry: a stale table entry past them may name one of them.
+        column = torch.where(j[None] < used[:, None], tables, n)  # [G, NB]
+        logical = self._logical[:G]
+        logical.scatter_(1, column, j.to(torch.int32).expand(G, -1))
+        positions = F.pad(qpos, (0, self.Q - b.query))  # [G, Q_max]
+
+        def causal(batch, head, q_idx, kv_idx):  # noqa: ANN001, ANN202
+            return logical[batch, kv_idx // bs] * bs + kv_idx % bs <= positions[batch, q_idx]
+
+        kv_indices = self._kv_indices[:G]
+        if self.device.type == "cuda":
+            # Every block through the mask: given "full" blocks, the CUDA short-query kernel splits its work by
+            # the whole key length (here the whole cache) and leaves most of its thread blocks idle.
+            kv_indices[:, 0, 0, :NB].copy_(tables)
+            counts = used.to(torch.int32).view(G, 1, 1)
+            full_counts = full_indices = None
+        else:
+            # The CPU kernel fails to compile without full blocks: those wholly before the first query.
+            full = (qpos.amin(1) + 1) // bs  # [G]
+            full_indices = self._full_indices[:G]
+            full_indices[:, 0, 0, :NB].copy_(tables)
+            kv_indices[:, 0, 0, :NB].copy_(tables.gather(1, (full[:, None] + j).clamp(max=NB - 1)))
+            counts, full_counts = (used - full).to(torch.int32).view(G, 1, 1), full.to(torch.int32).view(G, 1, 1)
+        block_mask = BlockMask.from_kv_blocks(
+            counts, kv_indices, full_counts, full_indices, BLOCK_SIZE=(self._query_block, bs), mask_mod=causal,
+            seq_lengths=(self.Q, n * bs), compute_q_blocks=False)
+        return attention.PagedMask(block_mask, logical, positions)
 
     def capture_bucket(self, b: Bucket) -> float:
         """Capture ``b``'s graph (CUDA only); seconds taken. The buffers are first set to a harmless

@@ -38,6 +38,7 @@ class LLM:
         prefix_caching: bool = True,
         grammar_drafts: bool = True,
         cuda_graphs: bool | None = None,
+        paged_attention: str = "auto",
     ) -> None:
         if speculative_method is None:
             speculative_method = SpeculativeMethod.HYBRID if draft_model else SpeculativeMethod.NONE
@@ -64,6 +65,7 @@ class LLM:
                 prefix_caching=prefix_caching,
                 grammar_drafts=grammar_drafts,
                 cuda_graphs=cuda_graphs,
+                paged_attention=paged_attention,
             )
         )
         self._ids = itertools.count()

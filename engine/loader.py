@@ -72,6 +72,13 @@ def use_cuda_graphs(config: EngineConfig, target: ModelRunner) -> bool:
     return config.cuda_graphs
 
 
+def use_paged_kernel(config: EngineConfig, target: ModelRunner) -> bool:
+    """FlexAttention through the block table for bucketed forwards: the config's choice, or on CUDA."""
+    if config.paged_attention == "auto":
+        return target.device.type == "cuda"
+    return config.paged_attention == "flex"
+
+
 def load(config: EngineConfig) -> Loaded:
     t0 = time.perf_counter()
     target = ModelRunner(config.model, config.dtype, config.device, config.trust_remote_code, config.device_map,
@@ -123,7 +130,7 @@ def load(config: EngineConfig) -> Loaded:
         buckets = Buckets.for_limits(config.max_num_seqs, config.k_max, max_model_len, config.block_size)
         for runner in (target, draft):
             if runner is not None:
-                runner.use_buckets(buckets)
+                runner.use_buckets(buckets, use_paged_kernel(config, target))
                 assert runner.static is not None
                 seconds = runner.static.capture_all()
                 if seconds:

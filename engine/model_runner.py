@@ -199,14 +199,14 @@ class ModelRunner:
         self.cache = PagedKVCache(self.layer_shapes, num_blocks, block_size, self.dtype, self.layer_devices)
         self.static = None
 
-    def use_buckets(self, buckets: Buckets) -> None:
+    def use_buckets(self, buckets: Buckets, paged_kernel: bool = False) -> None:
         """Run short-query forwards padded to ``buckets`` (engine.graphs): CUDA graphs on a GPU, the
         same padded forward eagerly on CPU. Not for a model split across devices."""
         assert self.cache is not None, "allocate_cache() first"
         if self.split:
             raise ValueError("static buckets and CUDA graphs need the model on one device (no device_map)")
         call = self.compiled.fn if self.compiled is not None else None
-        self.static = StaticForward(self.model, self.cache, buckets, self.device, self.name, call)
+        self.static = StaticForward(self.model, self.cache, buckets, self.device, self.name, call, paged_kernel)
 
     def warm_up_compiled(self, k_max: int) -> float:
         """Compile the layouts decode and verify steps use, before any request: one sequence decoding (a

@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-map; output is the same either way)",
     )
     s.add_argument(
+        "--paged-attention", choices=("auto", "flex", "gather"),
+        help="how bucketed decode and verify forwards read the KV cache: flex = FlexAttention through the block "
+        "table, in place; gather = each sequence's keys copied into a padded tensor per layer, then SDPA "
+        "(default auto: flex on CUDA, gather on CPU, where it measured faster)",
+    )
+    s.add_argument(
         "--no-prefix-caching", action="store_false", dest="prefix_caching",
         help="compute every prompt in full instead of reusing the KV blocks of a prefix an earlier request "
         "computed (on by default; output is the same either way)",

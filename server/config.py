@@ -66,6 +66,7 @@ class ServerConfig:
     grammar_drafts: bool = True  # with speculation on, draft what a request's grammar forces (free)
     token_healing: bool = False  # the default of requests that leave token_healing unset (engine.structured.healing)
     cuda_graphs: bool | None = None  # decode and verify forwards as CUDA graphs; None: on where the model is on one GPU
+    paged_attention: str = "auto"  # bucketed forwards' attention: flex (through the block table) | gather | auto
     log_level: str = "info"
     log_stats_interval: float = 10.0  # seconds between stats log lines while busy; 0 turns them off
     log_requests: bool = False  # one line per request: ids, token counts, timings (never text)
@@ -168,6 +169,7 @@ class ServerConfig:
             prefix_caching=self.prefix_caching,
             grammar_drafts=self.grammar_drafts,
             cuda_graphs=self.cuda_graphs,
+            paged_attention=self.paged_attention,
         )
 
 

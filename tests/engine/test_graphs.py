@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, attention
 from engine.config import EngineConfig
 from engine.graphs import Bucket, Buckets
 from engine.loader import use_cuda_graphs
@@ -51,13 +51,27 @@ def test_cuda_graphs_default_on_only_for_a_model_on_one_gpu(model_sets):
         assert use_cuda_graphs(EngineConfig(model="m", cuda_graphs=False), gpu) is False
 
 
-def _pair(path, device: str) -> tuple[ModelRunner, ModelRunner]:
+def _pair(path, device: str, paged_kernel: bool = False) -> tuple[ModelRunner, ModelRunner]:
     """Two runners of the same weights: one eager, one in ``SMALL``'s buckets."""
     eager, static = ModelRunner(str(path), "float32", device), ModelRunner(str(path), "float32", device)
     for r in (eager, static):
         r.allocate_cache(num_blocks=48, block_size=BLOCK)
-    static.use_buckets(SMALL)
+    static.use_buckets(SMALL, paged_kernel)
     return eager, static
+
+
+@pytest.fixture
+def flex_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts attention layers that ran through FlexAttention, so a silent fall-back to the gather fails."""
+    calls: list[int] = []
+    inner = attention._paged_flex
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_paged_flex", counted)
+    return calls
 
 
 def _same_caches(a: ModelRunner, b: ModelRunner) -> None:
@@ -69,13 +83,17 @@ def _same_caches(a: ModelRunner, b: ModelRunner) -> None:
         torch.testing.assert_close(va[:n], vb[:n], rtol=1e-5, atol=1e-5)
 
 
+KERNELS = [("llama", "gather"), ("mistral", "gather"), ("gpt2", "gather"), ("llama", "flex"), ("mistral", "flex")]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
-def test_padding_changes_no_logit_and_writes_only_real_slots(arch, device, model_sets):
+@pytest.mark.parametrize(("arch", "kernel"), KERNELS, ids=[f"{a}-{k}" for a, k in KERNELS])
+def test_padding_changes_no_logit_and_writes_only_real_slots(arch, kernel, device, model_sets, flex_calls):
     """Three sequences (scattered blocks; mistral's 24-token window shorter than their contexts; gpt2's
     learned positions) prefilled eagerly, then short steps padded in batch, query and context, one
-    per context bucket, and one larger than every bucket (eager, same output)."""
-    eager, static = _pair(model_sets[arch].target, device)
+    per context bucket, and one larger than every bucket (eager, same output). "flex": attention
+    reads the cache in place through the block tables (the sliding window as FlexAttention's score_mod)."""
+    eager, static = _pair(model_sets[arch].target, device, paged_kernel=kernel == "flex")
     g = torch.Generator().manual_seed(1)
     lengths = [30, 9, 14]
     seqs = [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
@@ -96,6 +114,7 @@ def test_padding_changes_no_logit_and_writes_only_real_slots(arch, device, model
         for i in idx:
             done[i] += feed[i]
     _same_caches(eager, static)
+    assert bool(flex_calls) == (kernel == "flex")
     # Five sequences: more than the largest batch bucket (4), so the eager path, with the same logits.
     extra = [torch.randint(3, 300, (5,), generator=g).tolist() for _ in range(2)]
     batch = ForwardBatch([[s[d]] for s, d in zip(seqs, done)] + extra, [*done, 0, 0],
@@ -148,6 +167,22 @@ def test_greedy_output_in_buckets_equals_the_target_alone(arch, method, k, devic
         assert runner.static is not None and runner.static.replays > 0, f"{runner.name} never ran in a bucket"
         if device == "cuda":
             assert runner.static.graphs, f"{runner.name}: no CUDA graph captured"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_output_with_flex_attention_equals_the_target_alone(device, model_sets, tokenizer_dir, flex_calls):
+    """The paged kernel in the engine: the draft loop and verify steps at batch 1 and 4 (two batch buckets,
+    each its own compiled shape) read the cache through the block tables, and greedy output is the target's."""
+    ms = model_sets["llama"]
+    llm = LLM(model=str(ms.target), draft_model=str(ms.draft), speculative_method="draft_model",
+              num_speculative_tokens=4, dtype="float32", device=device, block_size=BLOCK, max_num_seqs=4,
+              cuda_graphs=True, paged_attention="flex")
+    ref = Reference(ms.target)
+    prompts = prompts_for(tokenizer_dir)[:4]
+    for batch in ([prompts[0]], prompts):
+        for prompt, out in zip(batch, llm.generate(batch, GREEDY)):
+            assert_same_as_target(ref, prompt, out.token_ids, f"flex attention on {device}")
+    assert flex_calls and llm.engine.target.static is not None and llm.engine.target.static.paged_kernel
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -78,6 +78,18 @@ def test_cuda_graphs_follow_the_device_unless_a_flag_a_variable_or_the_yaml_deci
     assert parse_config(["serve", "--model", "org/m"]).cuda_graphs is True
 
 
+def test_paged_attention_is_auto_unless_a_flag_a_variable_or_the_yaml_decides(monkeypatch, tmp_path):
+    assert parse_config(["serve", "--model", "org/m"]).engine_config().paged_attention == "auto"
+    assert parse_config(["serve", "--model", "org/m", "--paged-attention", "gather"]).engine_config().paged_attention \
+        == "gather"
+    path = tmp_path / "c.yaml"
+    path.write_text("model: org/m\npaged-attention: flex\n")
+    assert parse_config(["serve", "--config", str(path)]).paged_attention == "flex"
+    monkeypatch.setenv("SPECD_PAGED_ATTENTION", "bogus")
+    with pytest.raises(ValueError, match="paged_attention must be auto, flex or gather"):
+        parse_config(["serve", "--model", "org/m"]).engine_config()
+
+
 def test_the_serving_guide_lists_every_serve_option():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     flags = {o for a in serve._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
