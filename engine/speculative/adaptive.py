@@ -35,8 +35,10 @@ class LinearCost:
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
         self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self.version = 0  # observations so far: what a cached value derived from the fit is keyed on
 
     def observe(self, tokens: int, seconds: float) -> None:
+        self.version += 1
         d = self.decay
         self._w = d * self._w + 1.0
         self._n = d * self._n + tokens
@@ -106,9 +108,17 @@ class AdaptivePolicy:
         self.target_cost = LinearCost()
         self.draft_cost = LinearCost()
         self.global_alpha = AcceptanceEstimate(decay=0.98)
+        self._ratio: tuple[tuple[int, int, int], float] | None = None
 
     def cost_ratio(self, batch: int) -> float:
-        """c = m / s for a batch of ``batch`` decoding sequences (see the module docstring)."""
+        """c = m / s for a batch of ``batch`` decoding sequences (see the module docstring). Asked once per
+        sequence per step with the same answer: kept until the batch size or a cost fit changes."""
+        key = (batch, self.target_cost.version, self.draft_cost.version)
+        if self._ratio is None or self._ratio[0] != key:
+            self._ratio = key, self._cost_ratio(batch)
+        return self._ratio[1]
+
+    def _cost_ratio(self, batch: int) -> float:
         s = self.target_cost(batch) / batch
         a_t, b_t = self.target_cost.coefficients()
         m = b_t + self.draft_cost(batch) / batch

@@ -23,6 +23,39 @@ def lookup(tokens: list[int], n_max: int, n_min: int, k: int) -> list[int]:
     return []
 
 
+class NgramIndex:
+    """``lookup`` for one growing token list, kept up to date as tokens are appended: where each n-gram
+    that has a successor last began, per n. A lookup is then n_max dictionary probes instead of a
+    scan of the whole sequence (at 32 sequences of a few hundred tokens the scan cost more host time
+    per step than a CUDA-graph forward)."""
+
+    def __init__(self, n_max: int, n_min: int) -> None:
+        self.n_max, self.n_min = n_max, n_min
+        self.starts: list[dict[tuple[int, ...], int]] = [{} for _ in range(n_max + 1)]  # by n
+        self.tokens: list[int] = []  # what is indexed: a copy, so that a list that changed is noticed
+
+    def _extend(self, tokens: list[int]) -> None:
+        L = len(tokens)
+        if L < len(self.tokens) or tokens[: len(self.tokens)] != self.tokens:
+            self.__init__(self.n_max, self.n_min)  # type: ignore[misc]  # not an extension: start over
+        # An n-gram at i has a successor once the list holds i + n + 1 tokens: index every n-gram ending
+        # before the last token, in order, so the latest occurrence wins.
+        for end in range(max(len(self.tokens), 1), L):  # n-grams ending at end - 1 (successor at end)
+            for n in range(1, min(self.n_max, end) + 1):
+                self.starts[n][tuple(tokens[end - n : end])] = end - n
+        self.tokens.extend(tokens[len(self.tokens) :])
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Exactly ``lookup(tokens, n_max, n_min, k)``."""
+        self._extend(tokens)
+        L = len(tokens)
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            start = self.starts[n].get(tuple(tokens[L - n :]))
+            if start is not None:
+                return tokens[start + n : start + n + k]
+        return []
+
+
 class LookupSource:
     """No model, no cache and no distribution: proposals are one-hot, which the verifier handles
     exactly, and cost a Python lookup, so the planner may ask for them before deciding anything."""
@@ -37,10 +70,14 @@ class LookupSource:
         return 0
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
-        return Proposal(
-            tokens=[lookup(r.seq.token_ids, self.n_max, self.n_min, r.max_drafts) for r in requests],
-            probs=None,
-        )
+        return Proposal(tokens=[self._index(r.seq).lookup(r.seq.token_ids, r.max_drafts) for r in requests],
+                        probs=None)
+
+    def _index(self, seq: Sequence) -> NgramIndex:
+        d = seq.draft
+        if d.ngram is None:
+            d.ngram = NgramIndex(self.n_max, self.n_min)
+        return d.ngram
 
     def drain_costs(self) -> list[tuple[int, float]]:
         return []

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.speculative.adaptive import SourceTrack
+
+if TYPE_CHECKING:
+    from engine.speculative.ngram import NgramIndex
 
 
 @dataclass
@@ -26,6 +30,7 @@ class DraftState:
         """Drafts wanted from the source itself."""
         return self.k - self.extend
     tracks: dict[str, SourceTrack] = field(default_factory=dict)
+    ngram: NgramIndex | None = None  # the lookup's index of this request's tokens, built on its first lookup
 
     def track(self, source: str) -> SourceTrack:
         return self.tracks.setdefault(source, SourceTrack())

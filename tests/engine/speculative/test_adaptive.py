@@ -144,6 +144,20 @@ def test_cost_ratio_is_marginal_draft_cost_over_the_per_sequence_step_cost():
     assert policy.cost_ratio(8) > policy.cost_ratio(1)  # bigger batches make drafts relatively dearer
 
 
+def test_cost_ratio_kept_for_a_step_follows_every_new_cost_observation():
+    """Asked once per sequence per step, the ratio is cached; a new cost observation or batch size must show."""
+    policy = make_policy()
+    before = policy.cost_ratio(8)
+    assert policy.cost_ratio(8) == before
+    assert policy.cost_ratio(1) == pytest.approx((0.01 + 0.05) / 1.01)  # another batch size: not the cached one
+    assert policy.cost_ratio(8) == before
+    policy.draft_cost.observe(8, 8.0)  # drafts become far dearer
+    assert policy.cost_ratio(8) > before
+    after = policy.cost_ratio(8)
+    policy.target_cost.observe(8, 100.0)  # and the target dearer still
+    assert policy.cost_ratio(8) < after
+
+
 def test_policy_speculates_when_drafts_are_cheap_and_often_accepted():
     r = SourceTrack()
     policy = make_policy()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from engine.speculative.ngram import LookupSource, lookup
+from engine.speculative.ngram import LookupSource, NgramIndex, lookup
 from engine.speculative.source import DraftRequest
 
 
@@ -61,3 +63,32 @@ def test_lookup_source_proposes_one_hot_tokens_within_each_request_budget():
     proposal = LookupSource(n_max=3, n_min=1).propose([DraftRequest(a, 2), DraftRequest(b, 4)])
     assert proposal.probs is None
     assert proposal.tokens == [[3, 4], []]
+
+
+def test_the_incremental_index_answers_exactly_as_the_scan():
+    """Random token lists over small vocabularies (many repeats), grown a few tokens at a time as a
+    sequence grows, sometimes replaced by a different list: the index's answer is always the scan's."""
+    rng = random.Random(0)
+    for _ in range(400):
+        vocab = rng.choice([2, 3, 5, 50])
+        n_max, n_min = rng.choice([(4, 1), (3, 2), (1, 1), (5, 3)])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 8))]
+        index = NgramIndex(n_max, n_min)
+        for _ in range(25):
+            k = rng.randint(1, 6)
+            assert index.lookup(tokens, k) == lookup(tokens, n_max, n_min, k), (tokens, n_max, n_min, k)
+            if rng.random() < 0.05:  # not an extension of what was indexed: rebuilt
+                tokens = tokens[: rng.randrange(1, len(tokens) + 1)] + [rng.randrange(vocab)]
+            else:
+                tokens = tokens + [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
+
+
+def test_the_source_keeps_one_index_per_sequence_on_its_draft_state():
+    seq = Sequence("a", [1, 2, 3, 1, 2], SamplingParams())
+    source = LookupSource(n_max=2, n_min=1)
+    assert source.propose([DraftRequest(seq, 2)]).tokens == [[3, 1]]
+    index = seq.draft.ngram
+    assert index is not None
+    seq.token_ids.extend([3, 9, 1, 2, 3])
+    assert source.propose([DraftRequest(seq, 2)]).tokens == [[9, 1]]
+    assert seq.draft.ngram is index
