@@ -27,6 +27,10 @@ class CompiledForward:
         self.name = name
         # The C++ wrapper drops the Python between kernels; CUDA's wrapper is Python (graphs are the lever there).
         options = {"cpp_wrapper": True} if next(model.parameters()).device.type == "cpu" else {}
+        # dynamo counts recompilations per code object, and the target and the draft share their architecture's
+        # forward: their warm-up layouts alone reach the default limit of 8, after which every new layout ran
+        # eagerly (with a warning) for the rest of the process.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._compiled: Callable[..., Any] = torch.compile(model, dynamic=True, options=options)
         self.failed = False
         self.calls = 0  # forwards that ran compiled

@@ -209,9 +209,10 @@ class ModelRunner:
         self.static = StaticForward(self.model, self.cache, buckets, self.device, self.name, call, paged_kernel)
 
     def warm_up_compiled(self, k_max: int) -> float:
-        """Compile the layouts decode and verify steps use, before any request: one sequence decoding (a
-        contiguous cache span) or verifying k_max drafts, and two sequences over a gathered, masked
-        cache. Writes into blocks nobody owns yet. Returns the seconds it took (0 without compile)."""
+        """Compile the layouts decode, verify and draft catch-up steps use, before any request: one
+        sequence (its blocks in order or not) decoding, verifying k_max drafts or catching up, and two
+        sequences over a gathered cache, masked or not. Writes into blocks nobody owns yet. Returns the
+        seconds it took (0 without compile)."""
         if self.compiled is None:
             return 0.0
         assert self.cache is not None
@@ -219,11 +220,22 @@ class ModelRunner:
         ctx = max(2, min(40, (n // 2) * bs - k_max - 1))  # two sequences' worth of blocks, even in a small cache
         need = -(-(ctx + k_max + 1) // bs)
         one, other = list(range(need)), list(range(2 * need - 1, need - 1, -1))
+        # dynamo specialises on which of the layout's optional parts are present (a contiguous span, a mask,
+        # a selection of logits rows): one layout per combination a step can bring, or the first request
+        # that brings a new one waits for its compile.
         layouts = [
-            ForwardBatch([[0]], [ctx], [one], [1]),
-            ForwardBatch([[0] * (k_max + 1)], [ctx], [one], [k_max + 1]),
+            ForwardBatch([[0]], [ctx], [table], [1])
+            for table in (one, other)  # blocks in order (read as one span) or not (gathered)
+        ] + [
+            ForwardBatch([[0] * (k_max + 1)], [ctx], [table], [k_max + 1]) for table in (one, other)
+        ] + [
+            ForwardBatch([[0] * 3], [ctx], [table], [1]) for table in (one, other)  # a catch-up: one row's logits
+        ] + [
             ForwardBatch([[0], [0]], [ctx, ctx // 2], [one, other], [1, 1]),
+            ForwardBatch([[0], [0]], [ctx, ctx], [one, other], [1, 1]),  # equal contexts: no mask
             ForwardBatch([[0] * (k_max + 1), [0]], [ctx, ctx // 2], [one, other], [k_max + 1, 1]),
+            ForwardBatch([[0] * (k_max + 1)] * 2, [ctx, ctx // 2], [one, other], [k_max + 1] * 2),  # all verifying
+            ForwardBatch([[0] * 3, [0] * 2], [ctx, ctx // 2], [one, other], [1, 1]),
         ]
         seconds = warm_up([lambda b=b: self.forward(b) for b in layouts], self.name)
         logger.info("compiled the decode and verify forwards of %s in %.1fs", self.name, seconds)
