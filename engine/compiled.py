@@ -33,6 +33,7 @@ class CompiledForward:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._compiled: Callable[..., Any] = torch.compile(model, dynamic=True, options=options)
         self.failed = False
+        self.frozen = False  # set after the start-up warm-up: a layout met later runs eagerly, uncompiled
         self.calls = 0  # forwards that ran compiled
 
     @property
@@ -44,7 +45,13 @@ class CompiledForward:
         """``compiled``: the forward is a decode or verify step (short queries only)."""
         if compiled and not self.failed:
             try:
-                out = self._compiled(**inputs)
+                if self.frozen:
+                    # Compiling a new layout while serving would stall its request for seconds to a minute (and
+                    # a batched workload meets dozens): those run eagerly, the warmed-up ones compiled.
+                    with torch.compiler.set_stance("eager_on_recompile"):
+                        out = self._compiled(**inputs)
+                else:
+                    out = self._compiled(**inputs)
                 self.calls += 1
                 return out
             except Exception:  # a model or layout inductor cannot handle: serve it eagerly from now on

@@ -238,6 +238,7 @@ class ModelRunner:
             ForwardBatch([[0] * 3, [0] * 2], [ctx, ctx // 2], [one, other], [1, 1]),
         ]
         seconds = warm_up([lambda b=b: self.forward(b) for b in layouts], self.name)
+        self.compiled.frozen = True
         logger.info("compiled the decode and verify forwards of %s in %.1fs", self.name, seconds)
         return seconds
 

@@ -35,6 +35,25 @@ def test_compiled_speculation_is_lossless_and_really_compiled(compiled_llm, mode
         assert runner.compiled.calls > b and not runner.compiled.failed, f"{runner.name} never ran compiled"
 
 
+def test_a_layout_the_warm_up_did_not_compile_runs_eagerly_instead_of_stalling_to_compile(compiled_llm):
+    """Three sequences feeding 2, 1 and 3 tokens, one logits row each: not among the warm-up's layouts.
+    Compiled while serving, it would hold its step for a compile; it runs eagerly, with the same logits."""
+    from torch._dynamo.utils import counters
+
+    runner = compiled_llm.engine.target
+    assert runner.compiled.frozen
+    batch = ForwardBatch([[7, 8], [9], [10, 11, 12]], [20, 30, 10], [[1, 2], [3, 4, 5], [6]], [1, 1, 3])
+    frames = counters["frames"]["ok"]
+    got = runner.forward(batch)
+    assert counters["frames"]["ok"] == frames, "a layout was compiled while serving"
+    runner.compiled.failed = True  # the same forward through the plain model
+    try:
+        want = runner.forward(batch)
+    finally:
+        runner.compiled.failed = False
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_a_long_prefill_chunk_runs_eagerly_with_the_same_logits(compiled_llm, model_sets):
     runner = compiled_llm.engine.target
     calls = runner.compiled.calls
