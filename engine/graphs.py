@@ -118,16 +118,16 @@ class StaticForward:
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0  # forwards run in a bucket (graph replays on CUDA)
         self.paged_kernel = paged_kernel
-        # One sparse query block spans every query of a sequence. FlexAttention's short-query kernel tiles
-        # (queries x query heads per KV head) rows by a power of two that must divide it: 1024 covers 16
-        # queries of a group of 64 heads.
-        self._query_block = 1024
         if paged_kernel:
-            # Per sequence: the block mask's block lists (blocks every query sees whole, then the blocks that
-            # need the causal test; unused columns after them) and the inverse map physical block -> index in
-            # the table, one column past the blocks for entries past the table.
-            self._full_indices = torch.zeros(self.G, 1, 1, cache.num_blocks, dtype=torch.int32, device=device)
+            # One sparse query block spans every query of a sequence. FlexAttention's short-query kernel tiles
+            # (queries x query heads per KV head) rows by a power of two that must divide it: 1024 covers 16
+            # queries of a group of 64 heads.
+            self._query_block = 1024
+            # Per sequence: the block mask's block list (its blocks, then unused columns; on CPU the blocks every
+            # query sees whole are listed apart, in _full_indices) and the inverse map physical block -> index
+            # in the table, one column past the blocks for entries past the table.
             self._kv_indices = torch.zeros(self.G, 1, 1, cache.num_blocks, dtype=torch.int32, device=device)
+            self._full_indices = torch.zeros_like(self._kv_indices) if device.type == "cpu" else None
             self._logical = torch.zeros(self.G, cache.num_blocks + 1, dtype=torch.int32, device=device)
 
     def _section(self, name: str, n: int) -> torch.Tensor:
@@ -158,7 +158,7 @@ class StaticForward:
 
     def _paged_mask(self, b: Bucket, qpos: torch.Tensor) -> attention.PagedMask:
         """The block mask of bucket ``b``'s sequences over the whole cache, from the block tables on the device.
-        Queries are laid out to the largest query bucket (those past ``b.query`` see one key), so flex_attention
+        Queries are laid out to the largest query bucket (rows past ``b.query`` are discarded), so flex_attention
         compiles one shape per batch bucket."""
         G, bs, n = b.batch, self.block_size, self.cache.num_blocks
         tables = self._tables(b)  # [G, NB]
@@ -184,6 +184,7 @@ class StaticForward:
         else:
             # The CPU kernel fails to compile without full blocks: those wholly before the first query.
             full = (qpos.amin(1) + 1) // bs  # [G]
+            assert self._full_indices is not None
             full_indices = self._full_indices[:G]
             full_indices[:, 0, 0, :NB].copy_(tables)
             kv_indices[:, 0, 0, :NB].copy_(tables.gather(1, (full[:, None] + j).clamp(max=NB - 1)))
