@@ -204,9 +204,8 @@ def report_profile(prof: cProfile.Profile, steps: int, title: str) -> None:
 
 
 def draft_runners(engine: object) -> list[ModelRunner]:
-    """The draft model's runner, if the engine drafts with one."""
-    model = getattr(getattr(engine, "drafting", None), "model", None)
-    return [model.runner] if model is not None else []
+    """The runners of the engine's drafters (draft model, early exit), if it drafts with any."""
+    return [d.runner for d in getattr(getattr(engine, "drafting", None), "drafters", [])]
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import RequestOutput, StepStats  # noqa: E402
+from engine.stats import SourceStepStats  # noqa: E402
 from server.async_engine import AsyncEngine  # noqa: E402
 from server.metrics import Metrics  # noqa: E402
 from server.request_stats import RequestInfo, RequestTracking  # noqa: E402
@@ -45,6 +46,7 @@ def realistic_step(batch: int, k: int, rng: random.Random) -> StepStats:
         accepted_lengths=tuple(a + 1 for a in accepted), num_decoding=batch, mean_k=float(k), num_preempted=0,
         num_running=batch,
         num_waiting=0, kv_usage=0.4, draft_seconds=0.002, target_seconds=0.01, step_seconds=0.013,
+        by_source=(SourceStepStats("draft_model", batch, k * batch, sum(accepted), per_pos),),
     )
 
 

@@ -12,10 +12,11 @@ DeviceMap = str | dict[str, int | str]
 
 
 class SpeculativeMethod(enum.Enum):
-    # The draft model, and prompt lookup wherever the context predicts better per second (engine.speculative.hybrid).
+    # Prompt lookup beside whichever drafters are configured: the draft model, the target's early layers, or both.
     HYBRID = "hybrid"
     DRAFT_MODEL = "draft_model"
     NGRAM = "ngram"
+    SELF = "self"  # the target's first draft_layers layers draft (engine.speculative.self_draft)
     NONE = "none"
 
 
@@ -23,6 +24,9 @@ class SpeculativeMethod(enum.Enum):
 class EngineConfig:
     model: str
     draft_model: str | None = None
+    # Self-speculation: the target's first draft_layers layers, final norm and LM head draft (method "self", or
+    # "hybrid" beside the lookup and any draft model). None with method "self": a third of the layers.
+    draft_layers: int | None = None
     speculative_method: SpeculativeMethod = SpeculativeMethod.NONE
     # None = adaptive: choose k per sequence per step from acceptance and measured costs.
     num_speculative_tokens: int | None = None
@@ -61,8 +65,15 @@ class EngineConfig:
                 raise ValueError(
                     f"speculative_method must be one of {valid}, got {self.speculative_method!r}"
                 ) from None
-        if self.uses_draft_model and not self.draft_model:
-            raise ValueError(f"speculative_method={self.speculative_method.value!r} needs draft_model")
+        method = self.speculative_method
+        if method is SpeculativeMethod.DRAFT_MODEL and not self.draft_model:
+            raise ValueError("speculative_method='draft_model' needs draft_model")
+        if method is SpeculativeMethod.HYBRID and not self.draft_model and self.draft_layers is None:
+            raise ValueError("speculative_method='hybrid' needs draft_model or draft_layers (or both)")
+        if self.draft_layers is not None and method not in (SpeculativeMethod.SELF, SpeculativeMethod.HYBRID):
+            raise ValueError(f"draft_layers is for speculative_method 'self' or 'hybrid', not {method.value!r}")
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers}")
         if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.max_speculative_tokens <= 16:
@@ -86,7 +97,15 @@ class EngineConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.speculative_method in (SpeculativeMethod.DRAFT_MODEL, SpeculativeMethod.HYBRID)
+        return self.speculative_method is SpeculativeMethod.DRAFT_MODEL or (
+            self.speculative_method is SpeculativeMethod.HYBRID and self.draft_model is not None
+        )
+
+    @property
+    def uses_self_draft(self) -> bool:
+        return self.speculative_method is SpeculativeMethod.SELF or (
+            self.speculative_method is SpeculativeMethod.HYBRID and self.draft_layers is not None
+        )
 
     @property
     def uses_lookup(self) -> bool:

@@ -19,6 +19,7 @@ class LLM:
         self,
         model: str,
         draft_model: str | None = None,
+        draft_layers: int | None = None,
         speculative_method: str | SpeculativeMethod | None = None,
         num_speculative_tokens: int | None = None,
         dtype: str = "auto",
@@ -41,11 +42,12 @@ class LLM:
         paged_attention: str = "auto",
     ) -> None:
         if speculative_method is None:
-            speculative_method = SpeculativeMethod.HYBRID if draft_model else SpeculativeMethod.NONE
+            speculative_method = SpeculativeMethod.HYBRID if draft_model or draft_layers else SpeculativeMethod.NONE
         self.engine = LLMEngine(
             EngineConfig(
                 model=model,
                 draft_model=draft_model,
+                draft_layers=draft_layers,
                 speculative_method=speculative_method,
                 num_speculative_tokens=num_speculative_tokens,
                 dtype=dtype,

@@ -53,7 +53,7 @@ class LLMEngine:
             self.block_manager,
             StopChecker(self.eos_ids, self.max_model_len, self.tokenizer),
         )
-        self.drafting = make_drafting(config, loaded.target, loaded.draft, self.eos_ids)
+        self.drafting = make_drafting(config, loaded.target, loaded.draft, loaded.early_exit, self.eos_ids)
         self.verifier = Verifier(self.eos_ids)
         self.auditor = Auditor(config.audit_fraction)
         self.seqs: dict[str, Sequence] = {}

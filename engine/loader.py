@@ -26,6 +26,7 @@ class TokenizerMismatchError(ValueError):
 class Loaded:
     target: ModelRunner
     draft: ModelRunner | None
+    early_exit: ModelRunner | None  # the target's first layers, drafting over its cache (self-speculation)
     tokenizer: Any | None
     eos_ids: tuple[int, ...]
     max_model_len: int
@@ -79,6 +80,11 @@ def use_paged_kernel(config: EngineConfig, target: ModelRunner) -> bool:
     return config.paged_attention == "flex"
 
 
+def default_draft_layers(target: ModelRunner) -> int:
+    """Self-speculation without --draft-layers: a third of the target's layers, at least one."""
+    return max(1, len(target.layer_shapes) // 3)
+
+
 def load(config: EngineConfig) -> Loaded:
     t0 = time.perf_counter()
     target = ModelRunner(config.model, config.dtype, config.device, config.trust_remote_code, config.device_map,
@@ -123,12 +129,16 @@ def load(config: EngineConfig) -> Loaded:
     target.allocate_cache(num_blocks, config.block_size)
     if draft:
         draft.allocate_cache(num_blocks, config.block_size)
-    for runner in (target, draft):
+    early_exit = None
+    if config.uses_self_draft:
+        layers = config.draft_layers if config.draft_layers is not None else default_draft_layers(target)
+        early_exit = ModelRunner.early_exit(target, layers)
+    for runner in (target, draft, early_exit):
         if runner is not None:
             runner.warm_up_compiled(config.k_max)
     if use_cuda_graphs(config, target):
         buckets = Buckets.for_limits(config.max_num_seqs, config.k_max, max_model_len, config.block_size)
-        for runner in (target, draft):
+        for runner in (target, draft, early_exit):
             if runner is not None:
                 runner.use_buckets(buckets, use_paged_kernel(config, target))
                 assert runner.static is not None
@@ -140,7 +150,8 @@ def load(config: EngineConfig) -> Loaded:
         "loaded %s%s on %s (%s) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s); "
         "max_model_len %d",
         config.model,
-        f" with draft {config.draft_model}" if draft else "",
+        (f" with draft {config.draft_model}" if draft else "")
+        + (f", self-drafting from {early_exit.name}" if early_exit else ""),
         ", ".join(str(d) for d in dict.fromkeys(target.layer_devices)) if target.split else target.device,
         str(target.dtype).removeprefix("torch."),
         time.perf_counter() - t0,
@@ -151,4 +162,5 @@ def load(config: EngineConfig) -> Loaded:
         sizing,
         max_model_len,
     )
-    return Loaded(target, draft, tokenizer, eos_token_ids(config.model, target, tokenizer), max_model_len, num_blocks)
+    eos = eos_token_ids(config.model, target, tokenizer)
+    return Loaded(target, draft, early_exit, tokenizer, eos, max_model_len, num_blocks)

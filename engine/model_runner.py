@@ -11,6 +11,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from engine import attention
 from engine.compiled import CompiledForward, warm_up
 from engine.config import DeviceMap
+from engine.early_exit import truncate
 from engine.graphs import Buckets, StaticForward
 from engine.kv_cache import LayerShape, PagedKVCache
 from engine.scheduler import ScheduledSeq
@@ -120,6 +121,27 @@ class ModelRunner:
         runner = cls.__new__(cls)
         runner.dtype = next(model.parameters()).dtype
         runner._adopt(model, name, split=False, compile=compile)
+        return runner
+
+    @classmethod
+    def early_exit(cls, target: ModelRunner, num_layers: int) -> ModelRunner:
+        """The target's first ``num_layers`` layers, then its final norm and LM head, as a runner of its own
+        over the target's own KV cache (engine.early_exit): its forwards write those layers' K/V exactly where
+        the target's would. Build it after the target's ``allocate_cache``."""
+        assert target.cache is not None, "allocate the target's cache first"
+        runner = cls.__new__(cls)
+        runner.dtype, runner.device, runner.split = target.dtype, target.device, target.split
+        runner.model = truncate(target.model, len(target.layer_shapes), num_layers)
+        runner._keep = None
+        # The head is the target's own module: both runners' row selections hook it, each a no-op while its
+        # own runner is not the one running.
+        runner.model.get_output_embeddings().register_forward_pre_hook(runner._select_rows)
+        runner.vocab_size, runner.max_position_embeddings = target.vocab_size, target.max_position_embeddings
+        runner.layer_devices = target.layer_devices[:num_layers]
+        runner.layer_shapes = target.layer_shapes[:num_layers]
+        runner.cache, runner.static = target.cache, None
+        runner.name = f"{target.name} layers [0, {num_layers})"
+        runner.compiled = CompiledForward(runner.model, runner.name) if target.compiled is not None else None
         return runner
 
     def _adopt(self, model: torch.nn.Module, name: str, split: bool, compile: bool) -> None:

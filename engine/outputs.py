@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sequence import Sequence, TokenLogprob
+from engine.sequence import Sequence, SourceTokens, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class RequestOutput:
     num_output_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    spec_by_source: dict[str, SourceTokens] = field(default_factory=dict)  # the two above, by draft source name
 
     @classmethod
     def of(cls, seq: Sequence, tokens: list[int], text: str, logprobs: list[TokenLogprob]) -> RequestOutput:
@@ -51,6 +52,7 @@ class RequestOutput:
             num_output_tokens=seq.num_output_tokens,
             num_draft_tokens=seq.num_draft_tokens,
             num_accepted_tokens=seq.num_accepted_tokens,
+            spec_by_source=dict(seq.spec_by_source),  # a snapshot: the sequence's own dict goes on changing
         )
 
 
@@ -68,6 +70,7 @@ class CompletionOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_cached_tokens: int = 0
+    spec_by_source: dict[str, SourceTokens] = field(default_factory=dict)  # drafted and accepted, by draft source
 
     def add(self, out: RequestOutput) -> None:
         self.token_ids.extend(out.new_token_ids)
@@ -79,3 +82,7 @@ class CompletionOutput:
         self.num_draft_tokens = max(self.num_draft_tokens, out.num_draft_tokens)
         self.num_accepted_tokens = max(self.num_accepted_tokens, out.num_accepted_tokens)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        for name, got in out.spec_by_source.items():
+            had = self.spec_by_source.get(name, SourceTokens())
+            self.spec_by_source[name] = SourceTokens(max(had.num_draft_tokens, got.num_draft_tokens),
+                                                     max(had.num_accepted_tokens, got.num_accepted_tokens))

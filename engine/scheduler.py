@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.outputs import RequestOutput, Verdict
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.sequence import FinishReason, Sequence, SequenceStatus, SourceTokens
+from engine.stats import shares
 from engine.stop import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,9 @@ class Scheduler:
                 continue
             seq.num_draft_tokens += verdict.num_drafts
             seq.num_accepted_tokens += verdict.num_accepted
+            for share in shares(seq.draft, verdict.num_drafts, verdict.num_accepted):  # this step's plan, still set
+                by = seq.spec_by_source
+                by[share.source] = by.get(share.source, SourceTokens()).plus(share.drafted, share.accepted)
             try:
                 outputs.append(self._append(seq, verdict))
             except Exception:  # e.g. the detokenizer on this sequence's text: fail it, not the whole batch

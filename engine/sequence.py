@@ -44,6 +44,17 @@ class AuditCase:
     output: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class SourceTokens:
+    """One draft source's part of a request's drafts (engine.stats.shares decides which are whose)."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def plus(self, drafted: int, accepted: int) -> SourceTokens:
+        return SourceTokens(self.num_draft_tokens + drafted, self.num_accepted_tokens + accepted)
+
+
 @dataclass
 class PrefixState:
     """What the prefix cache knows of one sequence (engine.block_manager)."""
@@ -76,6 +87,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    spec_by_source: dict[str, SourceTokens] = field(default_factory=dict)  # the two above, by draft source name
     num_preemptions: int = 0
     text: TextState = field(default_factory=TextState)
     draft: DraftState = field(default_factory=DraftState)

@@ -6,9 +6,60 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.structured.forced import FORCED
+
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput, Verdict
     from engine.scheduler import SchedulerOutput
+    from engine.speculative.state import DraftState
+
+
+@dataclass(frozen=True)
+class DraftShare:
+    """One source's drafts in one sequence's verified step: positions [start, start + drafted) of the
+    step's drafts, of which the first ``accepted`` were accepted."""
+
+    source: str
+    start: int
+    drafted: int
+    accepted: int
+
+
+def shares(draft: DraftState, num_drafts: int, num_accepted: int) -> tuple[DraftShare, ...]:
+    """Who proposed a verified step's drafts, in order: ``draft.source`` the first ones, the grammar
+    (engine.structured.forced) those it forced, at [forced_at, forced_at + num_forced). ``num_accepted`` is the
+    accepted prefix of the ``num_drafts`` drafts. A source that proposed none of them is left out."""
+    own = min(draft.forced_at, num_drafts) if draft.num_forced else num_drafts
+    parts = ((draft.source, 0, own), (FORCED.name, own, min(draft.num_forced, num_drafts - own)))
+    return tuple(
+        DraftShare(name, start, n, min(max(0, num_accepted - start), n)) for name, start, n in parts if name and n
+    )
+
+
+@dataclass(frozen=True)
+class SourceStepStats:
+    """One draft source's part of a step. A sequence-step counts once, in ``num_drafts`` of the source that
+    drafted first in it (grammar-forced drafts after a source's own add tokens to "grammar", not a sequence-step),
+    so that each field summed over the sources is the step's total."""
+
+    name: str
+    num_drafts: int  # sequence-steps whose drafts this source began
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: tuple[int, ...]  # by position among the step's drafts: 0 where it drafted none
+
+    @classmethod
+    def of(cls, per_seq: Iterable[tuple[DraftShare, ...]]) -> tuple[SourceStepStats, ...]:
+        """Each source's totals, in the order they first appear, from each drafting sequence's shares."""
+        sums: dict[str, tuple[int, int, int, list[int]]] = {}
+        for seq_shares in per_seq:
+            for i, s in enumerate(seq_shares):
+                drafts, tokens, accepted, pos = sums.get(s.source, (0, 0, 0, []))
+                pos.extend([0] * (s.start + s.drafted - len(pos)))
+                for j in range(s.start, s.start + s.accepted):
+                    pos[j] += 1
+                sums[s.source] = (drafts + (i == 0), tokens + s.drafted, accepted + s.accepted, pos)
+        return tuple(cls(name, d, t, a, tuple(pos)) for name, (d, t, a, pos) in sums.items())
 
 
 @dataclass(frozen=True)
@@ -40,6 +91,7 @@ class StepStats:
     num_forced_accepted_tokens: int = 0
     grammar_seconds: float = 0.0  # computing grammar masks within the step
     grammar_compile_seconds: tuple[float, ...] = ()  # one per structured request queued since the last step
+    by_source: tuple[SourceStepStats, ...] = ()  # the speculation fields above, split by the source that drafted
 
     @classmethod
     def of(
@@ -49,9 +101,9 @@ class StepStats:
         grammar_seconds: float = 0.0, grammar_compile_seconds: tuple[float, ...] = (),
     ) -> StepStats:
         drafted = [v for v in verdicts if v is not None and v.num_drafts]
-        # (drafted, accepted) of the forced drafts, which sit at [forced_at, forced_at + num_forced).
-        forced = [(s.seq.draft.num_forced, min(max(0, v.num_accepted - s.seq.draft.forced_at), s.seq.draft.num_forced))
-                  for s, v in zip(sched.scheduled, verdicts) if v is not None and v.num_drafts]
+        by_source = SourceStepStats.of(shares(s.seq.draft, v.num_drafts, v.num_accepted)
+                                       for s, v in zip(sched.scheduled, verdicts) if v is not None and v.num_drafts)
+        forced = next((s for s in by_source if s.name == FORCED.name), None)
         pos_counts = [0] * max((v.num_drafts for v in drafted), default=0)
         for v in drafted:
             for j in range(v.num_accepted):
@@ -79,10 +131,11 @@ class StepStats:
             target_seconds=target_seconds,
             step_seconds=step_seconds,
             audit_results=audits,
-            num_forced_draft_tokens=sum(n for n, _ in forced),
-            num_forced_accepted_tokens=sum(a for _, a in forced),
+            num_forced_draft_tokens=forced.num_draft_tokens if forced else 0,
+            num_forced_accepted_tokens=forced.num_accepted_tokens if forced else 0,
             grammar_seconds=grammar_seconds,
             grammar_compile_seconds=grammar_compile_seconds,
+            by_source=by_source,
         )
 
 
@@ -100,8 +153,28 @@ class AuditStats:
 
 
 @dataclass
+class SourceStats:
+    """One draft source's cumulative counts (SourceStepStats summed)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def add(self, step: SourceStepStats, sign: int = 1) -> None:
+        """``sign`` -1 takes a step back out (a sliding window)."""
+        self.num_drafts += sign * step.num_drafts
+        self.num_draft_tokens += sign * step.num_draft_tokens
+        self.num_accepted_tokens += sign * step.num_accepted_tokens
+
+
+@dataclass
 class SpecDecodeStats:
-    """Cumulative speculation counters since the engine started."""
+    """Cumulative speculation counters since the engine started; ``by_source`` splits them by the source
+    that drafted (keyed by its name, e.g. "draft_model", "ngram", "self", "grammar")."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -109,6 +182,7 @@ class SpecDecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)
     num_forced_draft_tokens: int = 0
     num_forced_accepted_tokens: int = 0
+    by_source: dict[str, SourceStats] = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -129,3 +203,5 @@ class SpecDecodeStats:
         pos.extend([0] * (len(step.accepted_per_position) - len(pos)))
         for i, n in enumerate(step.accepted_per_position):
             pos[i] += n
+        for source in step.by_source:
+            self.by_source.setdefault(source.name, SourceStats()).add(source)

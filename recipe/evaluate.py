@@ -76,6 +76,31 @@ def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[lis
     return outputs, seconds, tokens
 
 
+class StepTimes:
+    """Per engine step, the seconds spent drafting and in the target's forward, as the engine timed them."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.steps, self.draft, self.target = 0, 0.0, 0.0
+        engine, step = llm.engine, llm.engine.step
+
+        def timed():  # noqa: ANN202
+            outputs = step()
+            if engine.last_step is not None and outputs:
+                self.steps += 1
+                self.draft += engine.last_step.draft_seconds
+                self.target += engine.last_step.target_seconds
+            return outputs
+
+        engine.step = timed  # type: ignore[method-assign]
+
+    def cost_ratio(self, draft_tokens: int) -> float | None:
+        """c = drafting seconds per draft token / target seconds per step (drafting includes a draft model's
+        catch-ups and the host work of drafting); None without drafts."""
+        if not draft_tokens or not self.steps:
+            return None
+        return round((self.draft / draft_tokens) / (self.target / self.steps), 3)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m recipe.evaluate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--draft", type=Path, help="another draft to measure with the pair's target (default: PAIR/draft)")
-    ap.add_argument("--configs", help="comma-separated subset of the configurations (names as printed)")
+    ap.add_argument("--configs", help="comma-separated subset of the configurations (names as printed); the "
+                    "self-speculation ones run only when named")
     ap.add_argument("--json", type=Path, help="where to write the figures (default: PAIR/EVAL.json)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -102,10 +128,19 @@ def main(argv: list[str] | None = None) -> int:
         "ngram adaptive": lambda: LLM(target, speculative_method="ngram", **common),
         "hybrid adaptive": lambda: LLM(target, draft_model=draft, speculative_method="hybrid", **common),
     }
-    wanted = {c.strip() for c in args.configs.split(",")} | {"speculation off"} if args.configs else set(makers)
+    for layers in (1, 2, 3):  # self-speculation: the target's first layers draft (not run unless named)
+        makers[f"self L={layers} k=4"] = lambda n=layers: LLM(target, speculative_method="self", draft_layers=n,
+                                                               num_speculative_tokens=4, **common)
+    makers["self L=2 adaptive"] = lambda: LLM(target, speculative_method="self", draft_layers=2, **common)
+    opt_in = {name for name in makers if name.startswith("self")}
+    named = {c.strip() for c in args.configs.split(",")} | {"speculation off"} if args.configs else None
+    wanted = named if named is not None else set(makers) - opt_in
+    if wanted - set(makers):
+        ap.error(f"unknown configurations {sorted(wanted - set(makers))}; known: {', '.join(makers)}")
     configs = {name: make() for name, make in makers.items() if name in wanted}
     for llm in configs.values():  # warm-up: first-call allocations and the adaptive policy's calibration
         run_engine(llm, prompts[:2], 16)
+    times = {name: StepTimes(llm) for name, llm in configs.items()}
     base = {name: copy.deepcopy(llm.stats()) for name, llm in configs.items()}  # stats() is live
     rates: dict[str, list[float]] = {name: [] for name in configs}
     outputs: dict[str, list[list[int]]] = {}
@@ -128,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else None,
             "mean_accepted_per_step": round(accepted / drafts, 3) if drafts else None,
             "identical_to_target": sum(o == r for o, r in zip(outputs[name], reference)),
+            # Seconds per draft token over seconds per target forward, as the engine timed them in this run.
+            "cost_ratio": times[name].cost_ratio(draft_tokens),
         }
     result = {
         "draft": os.path.relpath(draft, REPO_ROOT), "held_out_bits_per_byte": {k: round(v, 4) for k, v in bpb.items()},
@@ -135,11 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(), "engine": rows,
     }
     print(f"held-out bits/byte: target {bpb['target']:.3f}, draft {bpb['draft']:.3f}")
-    print(f"{'config':<18}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'acc/step':>10}{'same':>7}")
+    print(f"{'config':<18}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'acc/step':>10}{'c':>7}{'same':>7}")
     for name, r in rows.items():
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
         per = "-" if r["mean_accepted_per_step"] is None else f"{r['mean_accepted_per_step']:.2f}"
-        print(f"{name:<18}{r['tokens_per_s']:>8.1f}{r['speedup']:>8.2f}x{acc:>8}{per:>10}"
+        c = "-" if r["cost_ratio"] is None else f"{r['cost_ratio']:.3f}"
+        print(f"{name:<18}{r['tokens_per_s']:>8.1f}{r['speedup']:>8.2f}x{acc:>8}{per:>10}{c:>7}"
               f"{r['identical_to_target']:>4}/{len(prompts)}")
     (args.json or args.pair / "EVAL.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0

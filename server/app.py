@@ -23,7 +23,7 @@ from server.completions import create_completion
 from server.config import ServerConfig
 from server.errors import APIError, from_exception, unavailable
 from server.logprobs import TokenText
-from server.metrics import CONTENT_TYPE, Metrics
+from server.metrics import CONTENT_TYPE, Metrics, draft_methods
 from server.middleware import BodySizeLimit
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.request_stats import RequestTracking
@@ -102,6 +102,7 @@ def create_app(
         def ready(engine: LLMEngine, template: str | None) -> None:
             if state.draining:  # shut down while loading: nothing to serve
                 return
+            state.metrics.declare_methods(draft_methods(engine))
             observers = [state.metrics] if state.stats_log is None else [state.metrics, state.stats_log]
             async_engine = AsyncEngine(engine, config.max_queue, observers=observers, on_fatal=fail)
             state.serving = Serving(

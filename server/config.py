@@ -24,7 +24,7 @@ DEFAULT_SERVED_NAME = "specd-default"
 ENV_PREFIX = "SPECD_"  # SPECD_<OPTION IN CAPITALS> sets any option below
 API_KEY_ENV = "SPECD_API_KEY"
 CONFIG_ENV = "SPECD_CONFIG"  # the YAML file, when --config is not given
-METHODS = ("hybrid", "draft_model", "ngram", "none")
+METHODS = ("hybrid", "draft_model", "ngram", "self", "none")
 
 
 class ConfigError(ValueError):
@@ -35,6 +35,7 @@ class ConfigError(ValueError):
 class ServerConfig:
     model: str | None = None  # None: the embedded default pair under models/default/
     draft_model: str | None = None
+    draft_layers: int | None = None  # self-speculation: the target's first N layers draft (method self or hybrid)
     speculative_method: str | None = None  # None: hybrid when a draft is given, else none
     num_speculative_tokens: int | None = None  # None: adaptive k per sequence per step
     served_model_name: str | None = None  # None: the model directory's name
@@ -78,8 +79,15 @@ class ServerConfig:
         if self.speculative_method is not None and self.speculative_method not in METHODS:
             valid = ", ".join(METHODS)
             raise ConfigError(f"speculative_method must be one of {valid}, got {self.speculative_method!r}")
-        if self.speculative_method in ("draft_model", "hybrid") and self.model is not None and not self.draft_model:
-            raise ConfigError(f"speculative_method {self.speculative_method} needs --draft-model")
+        if self.speculative_method == "draft_model" and self.model is not None and not self.draft_model:
+            raise ConfigError("speculative_method draft_model needs --draft-model")
+        if (self.speculative_method == "hybrid" and self.model is not None and not self.draft_model
+                and self.draft_layers is None):
+            raise ConfigError("speculative_method hybrid needs --draft-model or --draft-layers (or both)")
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ConfigError(f"draft_layers must be >= 1, got {self.draft_layers}")
+        if self.draft_layers is not None and self.method not in ("self", "hybrid"):
+            raise ConfigError(f"draft_layers is for speculative_method self or hybrid, not {self.method}")
         if self.max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
         for name in ("max_n", "max_stop_sequences", "max_body_bytes"):
@@ -108,7 +116,8 @@ class ServerConfig:
 
     @property
     def draft_path(self) -> str | None:
-        if self.model is None:
+        if self.model is None and (self.draft_model or self.speculative_method in (None, "draft_model", "hybrid")):
+            # The embedded pair's draft, unless self-speculation alone was asked for.
             return self.draft_model or str(DEFAULT_DRAFT)
         return self.draft_model
 
@@ -116,7 +125,7 @@ class ServerConfig:
     def method(self) -> str:
         if self.speculative_method is not None:
             return self.speculative_method
-        return "hybrid" if self.draft_path else "none"
+        return "hybrid" if self.draft_path or self.draft_layers is not None else "none"
 
     @property
     def served_name(self) -> str:
@@ -153,6 +162,7 @@ class ServerConfig:
         return EngineConfig(
             model=self.target_path,
             draft_model=self.draft_path if method in ("draft_model", "hybrid") else None,
+            draft_layers=self.draft_layers,
             speculative_method=method,
             num_speculative_tokens=self.num_speculative_tokens,
             dtype=self.dtype,

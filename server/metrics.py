@@ -13,13 +13,15 @@ Two feeds (prometheus_client is thread-safe):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from engine import RequestOutput, StepStats
+from engine import LLMEngine, RequestOutput, StepStats
 from engine.audit import AuditResult
+from engine.structured.forced import FORCED
 from server.count_histogram import CountHistogram
 from server.step_window import StepWindow
 
@@ -42,6 +44,29 @@ GRAMMAR_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 MAX_ACCEPTED_LENGTH = 17  # k <= 16: 1..17 tokens per verify step, one bucket each
 
 
+def draft_methods(engine: LLMEngine) -> list[str]:
+    """The draft sources ``engine`` speculates with, by name: the values of the ``method`` label."""
+    drafting = engine.drafting
+    if drafting is None:
+        return []
+    names = [s.name for s in drafting.drafters]
+    if drafting.lookup is not None:
+        names.append(drafting.lookup.name)
+    if drafting.config.grammar_drafts:
+        names.append(FORCED.name)
+    return names
+
+
+@dataclass
+class MethodSeries:
+    """One draft source's speculation counters."""
+
+    drafts: Counter
+    draft_tokens: Counter
+    accepted_tokens: Counter
+    per_pos: list[Counter] = field(default_factory=list)
+
+
 class Metrics:
     def __init__(
         self, model_name: str, window_seconds: float = WINDOW_SECONDS, clock: Callable[[], float] = time.monotonic
@@ -60,19 +85,28 @@ class Metrics:
         def histogram(metric: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(metric, doc, m, buckets=buckets, registry=r).labels(name)
 
-        # Speculation, from StepStats.
-        self.num_drafts = counter("specd:spec_decode_num_drafts", "Sequence-steps that verified at least one draft.")
-        self.draft_tokens = counter("specd:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
-        self.accepted_tokens = counter("specd:spec_decode_num_accepted_tokens", "Draft tokens the target accepted.")
+        # Speculation, from StepStats, by the draft source ("method") that proposed the tokens.
+        by_method = [*m, "method"]
+        self._drafts = Counter(
+            "specd:spec_decode_num_drafts", "Sequence-steps that verified at least one draft, by the method that "
+            "drafted first in them.", by_method, registry=r,
+        )
+        self._draft_tokens = Counter(
+            "specd:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", by_method, registry=r
+        )
+        self._accepted_tokens = Counter(
+            "specd:spec_decode_num_accepted_tokens", "Draft tokens the target accepted.", by_method, registry=r
+        )
         self._per_pos_family = Counter(
             "specd:spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted at each draft position (0 = the first draft token).",
-            [*m, "position"], registry=r,
+            "Draft tokens accepted at each draft position (0 = the first draft token), by the method that drafted it.",
+            [*by_method, "position"], registry=r,
         )
-        self._per_pos: list[Counter] = []
+        self._methods: dict[str, MethodSeries] = {}
         self.accepted_length = CountHistogram(
             "specd:spec_decode_accepted_length",
-            "Tokens emitted per verify step (accepted drafts + 1), per sequence that drafted.",
+            "Tokens emitted per verify step (accepted drafts + 1), per sequence that drafted; not by method, "
+            "since one step can verify a method's drafts and grammar-forced ones together.",
             name, MAX_ACCEPTED_LENGTH, r,
         )
         # Where step time goes: with these, speedup bounds and the engine's own share come from /metrics.
@@ -121,8 +155,13 @@ class Metrics:
         # Rates over the sliding window, computed when scraped so that they fall to 0 when idle.
         seconds = f"the steps that ended in the last {window_seconds:g} s"
         window = self.window
+        self._acceptance = Gauge(
+            "specd:spec_decode_acceptance_rate",
+            f"Accepted / drafted tokens of one method over {seconds}; 0 without its drafts.", by_method, registry=r,
+        )
         windowed: list[tuple[str, str, Callable[[], float]]] = [
-            ("specd:spec_decode_acceptance_rate", f"Accepted / drafted tokens over {seconds}; 0 without drafts.",
+            ("specd:spec_decode_acceptance_rate_overall",
+             f"Accepted / drafted tokens, all methods together, over {seconds}; 0 without drafts.",
              lambda: window.totals().acceptance_rate),
             ("specd:generation_tokens_per_second", f"Tokens generated in {seconds}, per second.",
              window.tokens_per_second),
@@ -147,6 +186,23 @@ class Metrics:
             QUEUE_BUCKETS,
         )
 
+    def declare_methods(self, methods: Iterable[str]) -> None:
+        """Series at zero, from the first scrape, for the draft sources the engine was built with (before it
+        starts: afterwards only its worker thread adds series); any other source gets its own on first use."""
+        for method in methods:
+            self._series(method)
+
+    def _series(self, method: str) -> MethodSeries:
+        series = self._methods.get(method)
+        if series is None:
+            name, window = self.model_name, self.window
+            series = self._methods[method] = MethodSeries(
+                self._drafts.labels(name, method), self._draft_tokens.labels(name, method),
+                self._accepted_tokens.labels(name, method),
+            )
+            self._acceptance.labels(name, method).set_function(lambda: window.acceptance_rate_of(method))
+        return series
+
     # ---- engine worker thread (EngineObserver) ----------------------------------------------------
 
     def observe_step(self, step: StepStats, outputs: list[RequestOutput]) -> None:
@@ -156,14 +212,16 @@ class Metrics:
         self.target_seconds.inc(step.target_seconds)
         self.draft_seconds.inc(step.draft_seconds)
         if step.num_draft_tokens:
-            self.num_drafts.inc(step.num_drafts)
-            self.draft_tokens.inc(step.num_draft_tokens)
-            self.accepted_tokens.inc(step.num_accepted_tokens)
-            per_pos = self._per_pos
-            for i, n in enumerate(step.accepted_per_position):
-                if i == len(per_pos):
-                    per_pos.append(self._per_pos_family.labels(self.model_name, str(i)))
-                per_pos[i].inc(n)  # zeros too: a position drafted but never accepted exports 0
+            for source in step.by_source:
+                series = self._series(source.name)
+                series.drafts.inc(source.num_drafts)
+                series.draft_tokens.inc(source.num_draft_tokens)
+                series.accepted_tokens.inc(source.num_accepted_tokens)
+                per_pos = series.per_pos
+                for i, n in enumerate(source.accepted_per_position):
+                    if i == len(per_pos):
+                        per_pos.append(self._per_pos_family.labels(self.model_name, source.name, str(i)))
+                    per_pos[i].inc(n)  # zeros too: a position drafted but never accepted exports 0
             self.accepted_length.observe_many(step.accepted_lengths)
         if step.grammar_compile_seconds:
             self.structured.inc(len(step.grammar_compile_seconds))

@@ -138,14 +138,21 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
+class SpecMethodUsage(BaseModel):
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-    # Extensions: this request's speculative decoding (all choices).
+    # Extensions: this request's speculative decoding (all choices), and the same split by the method that
+    # drafted (left out when nothing was drafted).
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_by_method: dict[str, SpecMethodUsage] | None = Field(None, exclude_if=_none)
 
 
 class CompletionLogprobs(BaseModel):

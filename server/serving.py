@@ -24,7 +24,7 @@ from server.async_engine import (
 )
 from server.errors import APIError, bad_request, unavailable
 from server.logprobs import TokenText
-from server.protocol import PromptTokensDetails, SamplingFields, Usage
+from server.protocol import PromptTokensDetails, SamplingFields, SpecMethodUsage, Usage
 from server.request_stats import RequestInfo, RequestTracking
 
 T = TypeVar("T")
@@ -230,7 +230,19 @@ def usage(choices: Sequence[Choice], num_prompt_tokens: int, n: int = 1) -> Usag
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         spec_draft_tokens=sum(c.num_draft_tokens for c in choices),
         spec_accepted_tokens=sum(c.num_accepted_tokens for c in choices),
+        spec_by_method=by_method(choices),
     )
+
+
+def by_method(choices: Sequence[Choice]) -> dict[str, SpecMethodUsage] | None:
+    """The choices' drafted and accepted tokens by draft method, sorted by name; None when nothing was drafted."""
+    out: dict[str, SpecMethodUsage] = {}
+    for c in choices:
+        for name, t in c.spec_by_source.items():
+            u = out.setdefault(name, SpecMethodUsage())
+            u.draft_tokens += t.num_draft_tokens
+            u.accepted_tokens += t.num_accepted_tokens
+    return dict(sorted(out.items())) or None
 
 
 async def collect(handle: RequestHandle, choices: dict[str, Choice]) -> None:

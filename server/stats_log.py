@@ -4,7 +4,8 @@
     generation 182.3 tok/s, prefill 40.1 tok/s | running 4, waiting 0 | acceptance 71.3%,
         mean accepted length 3.14, k 3.90 | KV cache 12.5%          (one line in the log)
 
-("acceptance -" when nothing was drafted; ", preempted N" at the end when the scheduler preempted,
+("acceptance -" when nothing was drafted; "acceptance 71.3% (draft_model 60.1%, ngram 82.0%)" when more than
+one draft method drafted, each method's own rate; ", preempted N" at the end when the scheduler preempted,
 ", prefix cache hits H%" when requests were admitted: the share of their tokens found cached).
 Rates are over the interval since the previous line. Nothing is logged for an interval without steps.
 """
@@ -73,7 +74,9 @@ class StatsLog:
 def format_line(t: StepTotals, elapsed: float, running: int, waiting: int, kv_usage: float) -> str:
     spec = "acceptance -"
     if t.draft_tokens:
-        spec = f"acceptance {t.acceptance_rate:.1%}, mean accepted length {t.mean_accepted_length:.2f}"
+        rates = [f"{name} {s.acceptance_rate:.1%}" for name, s in sorted(t.by_source.items()) if s.num_draft_tokens]
+        split = f" ({', '.join(rates)})" if len(rates) > 1 else ""
+        spec = f"acceptance {t.acceptance_rate:.1%}{split}, mean accepted length {t.mean_accepted_length:.2f}"
     preempted = f", preempted {t.preempted}" if t.preempted else ""
     if t.prefix_queries:
         preempted += f", prefix cache hits {t.prefix_hits / t.prefix_queries:.1%}"

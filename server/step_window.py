@@ -7,9 +7,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from engine import StepStats
+from engine.stats import SourceStats
 
 
 @dataclass
@@ -26,6 +27,7 @@ class StepTotals:
     decoding: int = 0  # decoding sequence-steps: the denominator of the mean k
     prefix_queries: int = 0  # admitted tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, found there
+    by_source: dict[str, SourceStats] = field(default_factory=dict)  # the speculation sums, by draft source name
 
     def add(self, step: StepStats, sign: int = 1) -> None:
         self.steps += sign
@@ -38,6 +40,16 @@ class StepTotals:
         self.decoding += sign * step.num_decoding
         self.prefix_queries += sign * step.prefix_cache_queries
         self.prefix_hits += sign * step.prefix_cache_hits
+        for source in step.by_source:
+            self.by_source.setdefault(source.name, SourceStats()).add(source, sign)
+
+    def copy(self) -> StepTotals:
+        return replace(self, by_source={name: replace(s) for name, s in self.by_source.items()})
+
+    def acceptance_rate_of(self, source: str) -> float:
+        """One draft source's accepted / drafted tokens; 0 without drafts."""
+        s = self.by_source.get(source)
+        return s.acceptance_rate if s is not None else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -80,7 +92,12 @@ class StepWindow:
     def totals(self) -> StepTotals:
         with self._lock:
             self._expire(self._clock())
-            return replace(self._totals)
+            return self._totals.copy()
+
+    def acceptance_rate_of(self, source: str) -> float:
+        with self._lock:
+            self._expire(self._clock())
+            return self._totals.acceptance_rate_of(source)
 
     def tokens_per_second(self) -> float:
         """Generated tokens in the window over the window's length (so it ramps up and decays)."""

@@ -12,7 +12,8 @@ from engine.speculative.adaptive import AdaptivePolicy
 logger = logging.getLogger(__name__)
 
 
-def calibrate(policy: AdaptivePolicy, target: ModelRunner, draft: ModelRunner | None, block_size: int) -> None:
+def calibrate(policy: AdaptivePolicy, target: ModelRunner, draft: ModelRunner | None, block_size: int,
+              name: str) -> None:
     """Writes into blocks nobody owns yet; their contents are garbage-by-design. ``draft`` is the
     runner whose forwards a draft costs, None for prompt lookup."""
     k_max = policy.k_max
@@ -31,5 +32,4 @@ def calibrate(policy: AdaptivePolicy, target: ModelRunner, draft: ModelRunner | 
     if draft is None:
         # n-gram lookup: a draft costs a Python lookup, not a forward; a small constant will do.
         policy.draft_cost.observe(1, 2e-5)
-    logger.info("adaptive k (%s): cost ratio c at batch 1 = %.3f", "draft model" if draft else "lookup",
-                policy.cost_ratio(1))
+    logger.info("adaptive k (%s): cost ratio c at batch 1 = %.3f", name, policy.cost_ratio(1))

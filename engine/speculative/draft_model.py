@@ -20,7 +20,7 @@ class DraftModelSource:
     after verification it is lowered to the accepted length, which is the whole rollback. Tokens the
     draft has not seen (after a preemption or lookup steps) are its lag, caught up before drafting."""
 
-    name = "model"
+    name = "draft_model"
 
     def __init__(self, runner: ModelRunner, target_vocab: int, eos_ids: tuple[int, ...]) -> None:
         self.runner = runner
@@ -29,7 +29,14 @@ class DraftModelSource:
         self._forward_times: list[tuple[int, float]] = []
 
     def lag(self, seq: Sequence) -> int:
-        return seq.num_tokens - 1 - seq.draft_num_computed
+        return seq.num_tokens - 1 - self._computed(seq)
+
+    def _computed(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` whose K/V the drafting runner's cache holds."""
+        return seq.draft_num_computed
+
+    def _advance(self, seq: Sequence, num_computed: int) -> None:
+        seq.draft_num_computed = num_computed
 
     def drain_costs(self) -> list[tuple[int, float]]:
         times, self._forward_times = self._forward_times, []
@@ -93,9 +100,9 @@ class DraftModelSource:
         for j in range(max(K, 1)):  # K == 0: a catch-up alone
             seqs = [requests[i].seq for i in active]
             if j == 0:  # catch up on (part of) what the draft has not seen, then predict
-                feeds = [s.token_ids[s.draft_num_computed : s.draft_num_computed + requests[i].catch_up
-                                     + (1 if requests[i].max_drafts else 0)] for i, s in zip(active, seqs)]
-                starts = [s.draft_num_computed for s in seqs]
+                starts = [self._computed(s) for s in seqs]
+                feeds = [s.token_ids[c : c + requests[i].catch_up + (1 if requests[i].max_drafts else 0)]
+                         for i, s, c in zip(active, seqs, starts)]
                 batch = ForwardBatch(feeds, starts, [s.block_table for s in seqs],
                                      [1 if requests[i].max_drafts else 0 for i in active])
             else:
@@ -105,7 +112,7 @@ class DraftModelSource:
                                      input_ids=drafted[index, j - 1])
             logits = self._logits(batch)
             for s, start, fed in zip(seqs, starts, batch.token_ids):
-                s.draft_num_computed = start + len(fed)
+                self._advance(s, start + len(fed))
             drafting = [i for i in active if requests[i].max_drafts]
             if drafting:
                 so_far = drafted[drafting, :j].tolist() if penalised else [[0] * j] * len(drafting)

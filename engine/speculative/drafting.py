@@ -1,11 +1,11 @@
 """Per step and per decoding sequence: where its drafts come from and how many; then the drafts
 themselves; then what the step taught about each source.
 
-Sources sit behind one Protocol (engine.speculative.source). With two, prompt lookup (free: it is
-asked for its proposal while planning) and the draft model, each sequence drafts from the one that
-promises more tokens per unit of step cost, each source with its own adaptive policy (their costs and
-acceptance differ). Mixing is exact: a lookup's proposal is one-hot, so where a batch needs q, its
-rows are one-hot vectors beside the draft model's real distributions, and verification holds row by row.
+Sources sit behind one Protocol (engine.speculative.source): prompt lookup (free: it is asked for its
+proposal while planning), the draft model and the target's own early layers. Each sequence drafts from
+the one that promises more tokens per unit of step cost, each source with its own adaptive policy (their
+costs and acceptance differ). Mixing is exact: a lookup's proposal is one-hot, so where a batch needs q,
+its rows are one-hot vectors beside the drafters' real distributions, and verification holds row by row.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from engine.speculative.adaptive import AdaptivePolicy
 from engine.speculative.calibrate import calibrate
 from engine.speculative.draft_model import DraftModelSource
 from engine.speculative.ngram import LookupSource
+from engine.speculative.self_draft import SelfDraftSource
 from engine.speculative.source import DraftRequest, DraftSource
+from engine.stats import shares
 from engine.structured.forced import FORCED
 
 
@@ -36,17 +38,23 @@ class Drafts:
 
 
 class Drafting:
-    def __init__(self, config: EngineConfig, model: DraftSource | None, lookup: DraftSource | None,
+    """``drafters``: the sources that run a model (the draft model, the target's early layers), in order of
+    preference at a fixed k; ``lookup``: prompt lookup, asked while planning since it costs nothing."""
+
+    def __init__(self, config: EngineConfig, drafters: list[DraftSource], lookup: DraftSource | None,
                  policies: dict[str, AdaptivePolicy]) -> None:
         self.config = config
-        self.model = model
+        self.drafters = drafters
         self.lookup = lookup
-        self.policies = policies  # one per source; empty at a fixed k
+        self.policies = policies  # one per source, by name; empty at a fixed k
 
     @property
     def policy(self) -> AdaptivePolicy | None:
-        """The draft model's adaptive policy (the lookup's without a draft model), None at a fixed k."""
+        """The first drafter's adaptive policy (the lookup's without one), None at a fixed k."""
         return next(iter(self.policies.values()), None)
+
+    def source(self, name: str) -> DraftSource | None:
+        return next((s for s in (*self.drafters, self.lookup) if s is not None and s.name == name), None)
 
     def plan(self, running: list[Sequence]) -> None:
         """Sets the ``seq.draft`` source, k and lag of each running sequence for this step: none for
@@ -58,7 +66,7 @@ class Drafting:
         for seq in decoding:
             d = seq.draft
             source, k = self._route(seq, len(decoding))
-            if source is not None:  # with k = 0 too: a lookup shadowing the model still learns from the step
+            if source is not None:  # with k = 0 too: a lookup shadowing a drafter still learns from the step
                 d.source, d.k, d.lag = source.name, k, source.lag(seq)
                 if k and source is not FORCED and seq.grammar is not None and self.config.grammar_drafts:
                     # Room for what the grammar forces after these drafts (a key after a value): certain
@@ -81,46 +89,60 @@ class Drafting:
                 return FORCED, min(len(d.forced), k or self.config.k_max)
         if self.lookup is not None:
             d.lookup = self.lookup.propose([DraftRequest(seq, k or self.config.k_max)]).tokens[0]
-        if k is not None:  # a fixed k: the lookup wherever it matched (the hybrid's needs n >= 2), else the model
-            if d.lookup or self.model is None:
+        if k is not None:  # a fixed k: the lookup wherever it matched (the hybrid's needs n >= 2), else a drafter
+            if d.lookup or not self.drafters:
                 return self.lookup, min(k, len(d.lookup))
-            return self.model, k
-        lookup, model = self.policies.get("lookup"), self.policies.get("model")
-        if model is None:
-            assert lookup is not None
-            return self.lookup, lookup.choose(d.track("lookup"), batch, len(d.lookup))
-        # Adaptive hybrid: the lookup competes where it matched; each source's own history decides.
-        if lookup is not None and d.lookup and (
-            lookup.rate(d.track("lookup"), batch, len(d.lookup)) >= model.rate(d.track("model"), batch)
-        ):
-            return self.lookup, lookup.choose(d.track("lookup"), batch, len(d.lookup))
-        return self.model, model.choose(d.track("model"), batch)
+            return self.drafters[0], k
+        if not self.drafters:
+            assert self.lookup is not None
+            policy = self.policies[self.lookup.name]
+            return self.lookup, policy.choose(d.track(self.lookup.name), batch, len(d.lookup))
+        # Adaptive: each source's own history and cost decide, the lookup competing where it matched.
+        best, rate = None, -1.0
+        for drafter in self.drafters:
+            r = self.policies[drafter.name].rate(d.track(drafter.name), batch)
+            if r > rate:
+                best, rate = drafter, r
+        assert best is not None
+        if self.lookup is not None and d.lookup:
+            lookup = self.policies[self.lookup.name]
+            if lookup.rate(d.track(self.lookup.name), batch, len(d.lookup)) >= rate:
+                return self.lookup, lookup.choose(d.track(self.lookup.name), batch, len(d.lookup))
+        return best, self.policies[best.name].choose(d.track(best.name), batch)
 
     def propose(self, scheduled: list[ScheduledSeq], vocab: int) -> Drafts:
         tokens: list[list[int]] = [[] for _ in scheduled]
-        asked, at = [], []
+        asked: dict[str, tuple[list[DraftRequest], list[int]]] = {s.name: ([], []) for s in self.drafters}
         for i, s in enumerate(scheduled):
             d = s.seq.draft
             own = min(s.num_draft_slots, d.own)
-            if d.source == "lookup":
+            if self.lookup is not None and d.source == self.lookup.name:
                 tokens[i] = d.lookup[:own]
             elif d.source == FORCED.name:
                 tokens[i] = d.forced[: s.num_draft_slots]
-            elif d.source == "model" and (own or s.num_catch_up):
-                asked.append(DraftRequest(s.seq, own, s.num_catch_up))
-                at.append(i)
-        proposal = self.model.propose(asked) if asked and self.model is not None else None
-        if proposal is not None:
-            for i, t in zip(at, proposal.tokens):
-                tokens[i] = t
+            elif d.source in asked and (own or s.num_catch_up):
+                asked[d.source][0].append(DraftRequest(s.seq, own, s.num_catch_up))
+                asked[d.source][1].append(i)
+        proposals = []  # (rows, proposal) of each drafter asked
+        for drafter in self.drafters:
+            requests, at = asked[drafter.name]
+            if requests:
+                proposal = drafter.propose(requests)
+                proposals.append((at, proposal))
+                for i, t in zip(at, proposal.tokens):
+                    tokens[i] = t
         modelled = [0] * len(tokens)  # leading drafts with a real q
-        for i in at:
-            modelled[i] = len(tokens[i])
+        for at, _ in proposals:
+            for i in at:
+                modelled[i] = len(tokens[i])
         tokens = with_forced(scheduled, grammatical(scheduled, tokens))
-        if proposal is None or proposal.probs is None:
+        with_q = [(at, p.probs) for at, p in proposals if p.probs is not None]
+        if not with_q:
             return Drafts(tokens, None)
-        probs = proposal.probs.new_zeros(len(scheduled), max(map(len, tokens)), vocab)  # [S, K, V]
-        probs[at, : proposal.probs.shape[1]] = proposal.probs[:, : probs.shape[1]]
+        first = with_q[0][1]
+        probs = first.new_zeros(len(scheduled), max(map(len, tokens)), vocab)  # [S, K, V]
+        for at, q in with_q:
+            probs[at, : q.shape[1]] = q[:, : probs.shape[1]]
         for i, t in enumerate(tokens):
             if len(t) > modelled[i]:  # lookup, forced and grammar-extension drafts: one-hot q
                 j = torch.arange(modelled[i], len(t))
@@ -131,27 +153,29 @@ class Drafting:
     def observe(self, scheduled: list[ScheduledSeq], verdicts: list[Verdict | None], num_fed: int,
                 target_seconds: float) -> None:
         """Costs of this step's forwards, and each sequence's outcome, into the adaptive policies."""
-        # The draft model's forward times are drained every step, policy or not.
-        draft_times = self.model.drain_costs() if self.model is not None else []
         for policy in self.policies.values():
             policy.target_cost.observe(num_fed, target_seconds)
-        if "model" in self.policies:
-            for n, secs in draft_times:
-                self.policies["model"].draft_cost.observe(n, secs)
+        for drafter in self.drafters:
+            # Drained every step, policy or not.
+            for n, secs in drafter.drain_costs():
+                if drafter.name in self.policies:
+                    self.policies[drafter.name].draft_cost.observe(n, secs)
+        lookup = self.policies.get(self.lookup.name) if self.lookup is not None else None
         for s, v in zip(scheduled, verdicts):
             d = s.seq.draft
             if v is None or v.error is not None or d.source is None:
                 continue
-            if d.source == "model" and d.lookup and "lookup" in self.policies:
+            if lookup is not None and d.lookup and d.source in self.policies and d.source != self.lookup.name:
                 # The lookup's proposal scored against what the step emitted: free acceptance evidence
                 # (greedy: exactly what it would have had), censored at the emitted length.
                 seen = d.lookup[: len(v.tokens)]
                 agreed = next((i for i, (a, b) in enumerate(zip(seen, v.tokens)) if a != b), len(seen))
-                self.policies["lookup"].observe(d.track("lookup"), len(seen), agreed)
+                lookup.observe(d.track(self.lookup.name), len(seen), agreed)
             policy = self.policies.get(d.source)
-            own = d.forced_at if d.num_forced else v.num_drafts  # forced drafts teach a source nothing
-            if policy is not None and own:
-                policy.observe(d.track(d.source), own, min(v.num_accepted, own))
+            if policy is not None:  # from its own drafts only: forced ones teach a source nothing
+                for share in shares(d, v.num_drafts, v.num_accepted):
+                    if share.source == d.source:
+                        policy.observe(d.track(d.source), share.drafted, share.accepted)
 
 
 def grammatical(scheduled: list[ScheduledSeq], tokens: list[list[int]]) -> list[list[int]]:
@@ -185,11 +209,16 @@ def with_forced(scheduled: list[ScheduledSeq], tokens: list[list[int]]) -> list[
 
 
 def make_drafting(config: EngineConfig, target: ModelRunner, draft: ModelRunner | None,
-                  eos_ids: tuple[int, ...]) -> Drafting | None:
+                  early_exit: ModelRunner | None, eos_ids: tuple[int, ...]) -> Drafting | None:
+    """``draft``: the draft model's runner; ``early_exit``: the target's first layers (self-speculation)."""
     if not config.speculates:
         return None
     method = config.speculative_method
-    model = DraftModelSource(draft, target.vocab_size, eos_ids) if draft is not None else None
+    drafters: list[tuple[DraftSource, ModelRunner | None]] = []
+    if draft is not None:
+        drafters.append((DraftModelSource(draft, target.vocab_size, eos_ids), draft))
+    if early_exit is not None:
+        drafters.append((SelfDraftSource(early_exit, target.vocab_size, eos_ids), early_exit))
     lookup = None
     if config.uses_lookup:
         # At a fixed k the hybrid has no rates to compare: the lookup takes the step on a suffix match of
@@ -198,9 +227,9 @@ def make_drafting(config: EngineConfig, target: ModelRunner, draft: ModelRunner 
         lookup = LookupSource(config.ngram_max, max(2, config.ngram_min) if strict else config.ngram_min)
     policies = {}
     if config.num_speculative_tokens is None:
-        # A draft costs the draft model's forwards, or (runner None) a lookup's near-nothing.
-        for source, runner in ((model, draft), (lookup, None)):
+        # A draft costs its runner's forwards, or (runner None) a lookup's near-nothing.
+        for source, runner in (*drafters, (lookup, None)):
             if source is not None:
                 policies[source.name] = AdaptivePolicy(config.k_max)
-                calibrate(policies[source.name], target, runner, config.block_size)
-    return Drafting(config, model, lookup, policies)
+                calibrate(policies[source.name], target, runner, config.block_size, source.name)
+    return Drafting(config, [source for source, _ in drafters], lookup, policies)

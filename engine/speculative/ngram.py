@@ -60,7 +60,7 @@ class LookupSource:
     """No model, no cache and no distribution: proposals are one-hot, which the verifier handles
     exactly, and cost a Python lookup, so the planner may ask for them before deciding anything."""
 
-    name = "lookup"
+    name = "ngram"
 
     def __init__(self, n_max: int, n_min: int) -> None:
         self.n_max = n_max

@@ -17,7 +17,8 @@ GRAFANA = DOCKER / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "specd.json"
 METRIC = re.compile(r"\bspecd:[A-Za-z0-9_:]+")
 PANELS = {  # what the dashboard must show, by panel title
-    "Acceptance rate", "Acceptance by draft position", "Mean accepted length", "Tokens per second",
+    "Acceptance rate", "Acceptance by method", "Acceptance by draft position", "Mean accepted length",
+    "Tokens per second",
     "Time to first token", "Inter-token latency", "Queue depth", "KV cache usage", "Adaptive k",
     "Prefix cache hit rate",
 }
@@ -70,6 +71,17 @@ def test_the_dashboard_has_the_panels_it_promises_and_valid_layout():
         assert sorted(re.findall(r"histogram_quantile\((0\.\d+)", " ".join(t["expr"] for t in p["targets"]))) == [
             "0.5", "0.99"
         ]
+
+
+def test_the_acceptance_rate_panel_reads_the_overall_gauge_and_the_method_panel_splits_by_method():
+    ps = {p["title"]: p for p in panels(dashboard())}
+    overall = [t["expr"] for t in ps["Acceptance rate"]["targets"]]
+    assert any(e.startswith("specd:spec_decode_acceptance_rate_overall{") for e in overall)
+    assert all("specd:spec_decode_acceptance_rate{" not in e for e in overall), "one series per method there"
+    by_method = ps["Acceptance by method"]["targets"]
+    assert all("{{method}}" in t["legendFormat"] for t in by_method)
+    assert any(t["expr"].startswith("specd:spec_decode_acceptance_rate{") for t in by_method)
+    assert any("sum by (method)" in t["expr"] for t in by_method)
 
 
 def test_provisioning_paths_and_datasource_agree():

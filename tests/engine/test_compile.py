@@ -22,7 +22,7 @@ def compiled_llm(model_sets) -> LLM:
 
 
 def runners(llm: LLM):
-    return [llm.engine.target, llm.engine.drafting.model.runner]
+    return [llm.engine.target, *(d.runner for d in llm.engine.drafting.drafters)]
 
 
 def test_compiled_speculation_is_lossless_and_really_compiled(compiled_llm, model_sets, tokenizer_dir):

@@ -16,7 +16,7 @@ def test_draft_catch_up_after_preemption_stays_inside_the_token_budget(model_set
               num_kv_blocks=12, max_model_len=128)
     engine = llm.engine
     fed = {"target": 0, "draft": 0}
-    for name, runner in (("target", engine.target), ("draft", engine.drafting.model.runner)):
+    for name, runner in (("target", engine.target), ("draft", engine.drafting.source("draft_model").runner)):
         def counting(batch, _forward=runner.forward, _name=name):  # noqa: ANN001, ANN202
             fed[_name] += sum(len(t) for t in batch.token_ids)
             return _forward(batch)

@@ -144,7 +144,7 @@ def test_tokens_already_on_the_device_feed_the_bucket_like_host_tokens(device, m
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
 CASES = [("llama", "draft_model", 4), ("mistral", "hybrid", None), ("gpt2", "ngram", 4), ("gemma", "none", None),
-         ("qwen3", "draft_model", None)]
+         ("qwen3", "draft_model", None), ("qwen2", "self", 4), ("llama", "self", None)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -152,8 +152,8 @@ CASES = [("llama", "draft_model", 4), ("mistral", "hybrid", None), ("gpt2", "ngr
 def test_greedy_output_in_buckets_equals_the_target_alone(arch, method, k, device, model_sets, tokenizer_dir):
     ms = model_sets[arch]
     llm = LLM(model=str(ms.target), draft_model=str(ms.draft) if method in ("draft_model", "hybrid") else None,
-              speculative_method=method, num_speculative_tokens=k, dtype="float32", device=device,
-              block_size=BLOCK, max_num_seqs=8, cuda_graphs=True)
+              draft_layers=1 if method == "self" else None, speculative_method=method, num_speculative_tokens=k,
+              dtype="float32", device=device, block_size=BLOCK, max_num_seqs=8, cuda_graphs=True)
     ref = Reference(ms.target)
     prompts = prompts_for(tokenizer_dir)
     for batch in ([prompts[0]], prompts):
@@ -161,8 +161,7 @@ def test_greedy_output_in_buckets_equals_the_target_alone(arch, method, k, devic
             assert_same_as_target(ref, prompt, out.token_ids, f"{arch}/{method}/k={k} on {device}")
     engine = llm.engine
     assert engine.target.static is not None and engine.target.static.replays > 0
-    source = engine.drafting.model if engine.drafting is not None else None
-    runners = [engine.target] + ([source.runner] if source is not None else [])
+    runners = [engine.target] + ([d.runner for d in engine.drafting.drafters] if engine.drafting is not None else [])
     for runner in runners:
         assert runner.static is not None and runner.static.replays > 0, f"{runner.name} never ran in a bucket"
         if device == "cuda":

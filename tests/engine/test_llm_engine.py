@@ -38,10 +38,13 @@ def _cache_matches_fresh_prefill(runner, model_dir, seq, n) -> None:
         torch.testing.assert_close(runner.cache.v[layer][slots], want_v, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["draft_model", "self"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_rejected_drafts_roll_back_and_the_cache_equals_a_fresh_prefill(arch, model_sets, tokenizer_dir):
+def test_rejected_drafts_roll_back_and_the_cache_equals_a_fresh_prefill(arch, method, model_sets, tokenizer_dir):
+    """With "self", drafting wrote the first layer's K/V at every draft position of the target's own cache:
+    verification must have overwritten each one the sequence kept with the target's."""
     ms = model_sets[arch]
-    llm = llm_for(ms, k=4)
+    llm = llm_for(ms, method=method, k=4, draft_layers=1 if method == "self" else None)
     engine = llm.engine
     for i, p in enumerate(prompts_for(tokenizer_dir)[:4]):
         engine.add_request(str(i), p, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
@@ -52,7 +55,9 @@ def test_rejected_drafts_roll_back_and_the_cache_equals_a_fresh_prefill(arch, mo
     for seq in engine.scheduler.running:
         assert seq.num_computed == seq.num_tokens - 1
         _cache_matches_fresh_prefill(engine.target, ms.target, seq, seq.num_computed)
-        _cache_matches_fresh_prefill(engine.drafting.model.runner, ms.draft, seq, seq.draft_num_computed)
+        draft = engine.drafting.source("draft_model")
+        if draft is not None:
+            _cache_matches_fresh_prefill(draft.runner, ms.draft, seq, seq.draft_num_computed)
     for rid in list(engine.seqs):
         engine.abort(rid)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -236,4 +241,4 @@ def test_draft_timings_do_not_pile_up_with_a_fixed_k(model_sets, tokenizer_dir):
     llm = llm_for(model_sets["llama"], k=4)
     llm.generate(prompts_for(tokenizer_dir), SamplingParams(max_tokens=24, temperature=0.0))
     assert llm.stats().num_draft_tokens > 0
-    assert llm.engine.drafting.model.drain_costs() == []
+    assert llm.engine.drafting.source("draft_model").drain_costs() == []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.lossless import MAX_NEW, Reference, assert_same_as_target, prompts_for
+from tests.engine.lossless import MAX_NEW, Reference, alternate_drafters, assert_same_as_target, prompts_for
 from tests.tiny_models import ARCHS
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
@@ -40,23 +40,39 @@ def run_batches(llm: LLM, ref: Reference, prompts: list[list[int]], label: str) 
         assert hits[0] > 0, f"{label}: nothing came from the prefix cache"
 
 
+# "self": the target's first layer drafts (the tiny targets have two); "hybrid+self": lookup, draft model and
+# the target's first layer, each sequence routed to one of them per step.
+METHODS = {
+    "draft_model": dict(draft=True),
+    "ngram": dict(),
+    "hybrid": dict(draft=True),
+    "self": dict(draft_layers=1),
+    "hybrid+self": dict(draft=True, draft_layers=1),
+}
+
+
 @pytest.mark.parametrize("k", [1, 4, 8, None], ids=lambda k: f"k={k if k is not None else 'adaptive'}")
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "hybrid"])
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_speculation_equals_target_alone(arch, method, k, model_sets, references, tokenizer_dir):
     ms = model_sets[arch]
+    sources = METHODS[method]
     llm = LLM(
         model=str(ms.target),
-        draft_model=str(ms.draft) if method != "ngram" else None,
-        speculative_method=method,
+        draft_model=str(ms.draft) if sources.get("draft") else None,
+        draft_layers=sources.get("draft_layers"),
+        speculative_method=method.removesuffix("+self"),
         num_speculative_tokens=k,
         dtype="float32",
         device="cpu",
         block_size=WARM_BLOCK,
     )
+    mixes = alternate_drafters(llm) if method == "hybrid+self" else None
     run_batches(llm, references[arch], prompts_for(tokenizer_dir), f"{arch}/{method}/k={k}")
     if k is not None:
         assert llm.stats().num_draft_tokens > 0, "speculation never ran, so this test proved nothing"
+    if mixes is not None:
+        assert frozenset({"draft_model", "self"}) in mixes, "no step verified both drafters' proposals at once"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -72,12 +88,15 @@ def test_unrelated_draft_with_adaptive_k_stays_lossless(model_sets, references, 
     run_batches(llm, references["llama"], prompts_for(tokenizer_dir), "llama/unrelated")
 
 
-def test_preemption_under_a_tiny_kv_cache_stays_lossless(model_sets, references, tokenizer_dir):
+@pytest.mark.parametrize("method", ["draft_model", "self"])
+def test_preemption_under_a_tiny_kv_cache_stays_lossless(method, model_sets, references, tokenizer_dir):
     """19 blocks of 4 tokens hold about one and a half sequences: eight at once must preempt."""
     ms = model_sets["llama"]
     llm = LLM(
         model=str(ms.target),
-        draft_model=str(ms.draft),
+        draft_model=str(ms.draft) if method == "draft_model" else None,
+        draft_layers=1 if method == "self" else None,
+        speculative_method=method,
         num_speculative_tokens=4,
         dtype="float32",
         device="cpu",
@@ -102,10 +121,12 @@ def test_preemption_under_a_tiny_kv_cache_stays_lossless(model_sets, references,
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_chunked_prefill_with_a_small_token_budget_stays_lossless(model_sets, references, tokenizer_dir):
+@pytest.mark.parametrize("method", ["draft_model", "self"])
+def test_chunked_prefill_with_a_small_token_budget_stays_lossless(method, model_sets, references, tokenizer_dir):
     ms = model_sets["qwen2"]
     llm = LLM(
-        model=str(ms.target), draft_model=str(ms.draft), num_speculative_tokens=3,
+        model=str(ms.target), draft_model=str(ms.draft) if method == "draft_model" else None,
+        draft_layers=1 if method == "self" else None, speculative_method=method, num_speculative_tokens=3,
         dtype="float32", device="cpu", max_num_batched_tokens=5,
     )
     run_batches(llm, references["qwen2"], prompts_for(tokenizer_dir), "qwen2/chunked")

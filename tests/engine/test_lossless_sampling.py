@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import LLM, SamplingParams
 from engine.speculative.source import Proposal
-from tests.engine.lossless import reference_transform
+from tests.engine.lossless import alternate_drafters, reference_transform
 
 V = 8
 PROMPT = [1, 2, 3, 1, 2]
@@ -96,13 +96,13 @@ def route_half_to_lookup(llm: LLM) -> None:
 
 
 def record_mixed_batches(llm: LLM) -> list[int]:
-    """Counts the draft steps whose batch holds both lookup and draft-model proposals."""
+    """Counts the draft steps whose batch holds proposals from two or more sources."""
     drafting, mixed = llm.engine.drafting, [0]
     propose = drafting.propose
 
     def spy(scheduled, vocab):  # noqa: ANN001, ANN202
         drafts = propose(scheduled, vocab)
-        mixed[0] += len({s.seq.draft.source for s, t in zip(scheduled, drafts.tokens) if t}) == 2
+        mixed[0] += len({s.seq.draft.source for s, t in zip(scheduled, drafts.tokens) if t}) >= 2
         return drafts
 
     drafting.propose = spy
@@ -124,21 +124,27 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "seeded"])
 @pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "hybrid"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "hybrid", "self", "hybrid+self"])
 def test_sampled_tokens_follow_the_target_distribution(method, setting, seeded, pair):
+    """"self": the target's first layer drafts; "hybrid+self": the draft model's and the early layers' real
+    q rows and the lookup's one-hot ones side by side in the same steps."""
     target, draft = pair
     params = SETTINGS[setting]
     llm = LLM(
-        model=str(target), draft_model=str(draft) if method != "ngram" else None,
-        speculative_method=method, num_speculative_tokens=3, dtype="float32", device="cpu",
-        max_num_seqs=512, max_num_batched_tokens=4096, seed=1234,
+        model=str(target), draft_model=str(draft) if method not in ("ngram", "self") else None,
+        draft_layers=1 if method.endswith("self") else None, speculative_method=method.removesuffix("+self"),
+        num_speculative_tokens=3, dtype="float32", device="cpu", max_num_seqs=512, max_num_batched_tokens=4096,
+        seed=1234,
     )
     mixed = record_mixed_batches(llm)
-    if method == "hybrid":
+    drafter_mixes = alternate_drafters(llm) if method == "hybrid+self" else set()
+    if method.startswith("hybrid"):
         route_half_to_lookup(llm)
     counts = engine_samples(llm, seeded, **params)
-    if method == "hybrid":
-        assert mixed[0] > 0, "no step mixed lookup and draft-model proposals"
+    if method.startswith("hybrid"):
+        assert mixed[0] > 0, "no step mixed lookup and drafter proposals"
+    if method == "hybrid+self":
+        assert frozenset({"draft_model", "self"}) in drafter_mixes, "no step mixed the two drafters"
     stats = llm.stats()
     # Both the accept and the reject paths must have run, or the test proves little.
     assert 0.05 < stats.acceptance_rate < 0.95, f"acceptance {stats.acceptance_rate:.2f}: q too close to or far from p"

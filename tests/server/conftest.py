@@ -74,11 +74,12 @@ class LiveServer:
         return httpx.post(self.url + path, json=body, headers=headers, timeout=kw.pop("timeout", 30), **kw)
 
     def metric(self, name: str, **labels: str) -> float:
-        """A sample's value from /metrics (0 if absent)."""
-        for line in self.get("/metrics").text.splitlines():
-            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        """The sum of the /metrics samples called ``name`` that carry ``labels`` (0 if none): a counter
+        labelled by draft ``method`` sums over the methods unless one is named."""
+        return sum(
+            float(line.rsplit(" ", 1)[1]) for line in self.get("/metrics").text.splitlines()
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items())
+        )
 
     def wait_idle(self, timeout: float = 5.0) -> None:
         """The engine has nothing running or waiting and every KV block is free."""

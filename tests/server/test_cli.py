@@ -90,6 +90,25 @@ def test_paged_attention_is_auto_unless_a_flag_a_variable_or_the_yaml_decides(mo
         parse_config(["serve", "--model", "org/m"]).engine_config()
 
 
+def test_draft_layers_select_self_speculation_from_a_flag_a_variable_or_the_yaml(monkeypatch, tmp_path):
+    cfg = parse_config(["serve", "--model", "org/m", "--speculative-method", "self", "--draft-layers", "2"])
+    engine = cfg.engine_config()
+    assert (engine.speculative_method.value, engine.draft_layers, engine.draft_model) == ("self", 2, None)
+    # The embedded pair with self-speculation alone loads no draft model.
+    assert parse_config(["serve", "--speculative-method", "self"]).engine_config().draft_model is None
+    # Given alone, --draft-layers makes the default method hybrid (lookup + the early layers).
+    assert parse_config(["serve", "--model", "org/m", "--draft-layers", "1"]).method == "hybrid"
+    path = tmp_path / "c.yaml"
+    path.write_text("model: org/m\nspeculative-method: self\ndraft-layers: 3\n")
+    assert parse_config(["serve", "--config", str(path)]).engine_config().draft_layers == 3
+    monkeypatch.setenv("SPECD_DRAFT_LAYERS", "0")
+    with pytest.raises(ValueError, match="draft_layers must be >= 1"):
+        parse_config(["serve", "--model", "org/m", "--speculative-method", "self"])
+    monkeypatch.delenv("SPECD_DRAFT_LAYERS")
+    with pytest.raises(ValueError, match="draft_layers is for speculative_method self or hybrid, not ngram"):
+        parse_config(["serve", "--model", "org/m", "--speculative-method", "ngram", "--draft-layers", "1"])
+
+
 def test_the_serving_guide_lists_every_serve_option():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     flags = {o for a in serve._actions for o in a.option_strings if o.startswith("--") and o != "--help"}

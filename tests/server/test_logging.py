@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from engine.stats import SourceStepStats
 from server.cli import parse_config
 from server.config import ConfigError
 from server.stats_log import StatsLog
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.timeout(60)
 
 LINE = re.compile(
     r"generation [\d.]+ tok/s, prefill [\d.]+ tok/s \| running \d+, waiting \d+ \| "
-    r"(acceptance [\d.]+%, mean accepted length [\d.]+|acceptance -), k [\d.]+ \| KV cache [\d.]+%"
+    r"(acceptance [\d.]+%( \([a-z_]+ [\d.]+%(, [a-z_]+ [\d.]+%)+\))?, mean accepted length [\d.]+|acceptance -), "
+    r"k [\d.]+ \| KV cache [\d.]+%"
     r"(, prefix cache hits [\d.]+%)?"
 )
 SECRET = "def secret_prompt_text():"
@@ -66,6 +68,18 @@ def test_stats_line_reports_the_interval_rates():
     assert log.log_once(2.0) is None, "the totals restart after each line"
     log.observe_step(step_stats(num_prompt_tokens=16, prefix_cache_queries=64, prefix_cache_hits=48), [])
     assert log.log_once(1.0).endswith("| KV cache 25.0%, prefix cache hits 75.0%")
+
+
+def test_stats_line_gives_each_methods_acceptance_only_when_more_than_one_drafted():
+    log = StatsLog(10.0)
+    two = (SourceStepStats("ngram", 1, 4, 4, (1, 1, 1, 1)), SourceStepStats("draft_model", 1, 4, 1, (1, 0, 0, 0)))
+    log.observe_step(step_stats(num_drafts=2, num_draft_tokens=8, num_accepted_tokens=5, by_source=two), [])
+    line = log.log_once(1.0)
+    assert "| acceptance 62.5% (draft_model 25.0%, ngram 100.0%), mean accepted length 3.50, k " in line
+    assert LINE.fullmatch(line)
+    one = (SourceStepStats("draft_model", 1, 4, 2, (1, 1, 0, 0)), SourceStepStats("ngram", 0, 0, 0, ()))
+    log.observe_step(step_stats(by_source=one), [])
+    assert "| acceptance 50.0%, mean accepted length 3.00, k " in log.log_once(1.0), "one method drafted: no split"
 
 
 def _request_records(caplog) -> list[str]:

@@ -42,7 +42,12 @@ class Scrape:
         return sum(s.value for s in self.samples if s.name == name and labels.items() <= s.labels.items())
 
     def by(self, name: str, label: str) -> dict[str, float]:
-        return {s.labels[label]: s.value for s in self.samples if s.name == name}
+        """Samples called ``name`` summed by the value of ``label``."""
+        out: dict[str, float] = {}
+        for s in self.samples:
+            if s.name == name:
+                out[s.labels[label]] = out.get(s.labels[label], 0.0) + s.value
+        return out
 
 
 def delta(before: Scrape, after: Scrape, name: str, **labels: str) -> float:
@@ -140,8 +145,8 @@ EXPORTED = [
         "grammar_forced_draft_tokens", "grammar_forced_accepted_tokens",
     )),
     *(f"specd:{g}" for g in (
-        "spec_decode_acceptance_rate", "generation_tokens_per_second", "num_requests_running", "num_requests_waiting",
-        "kv_cache_usage_perc", "spec_decode_num_speculative_tokens",
+        "spec_decode_acceptance_rate", "spec_decode_acceptance_rate_overall", "generation_tokens_per_second",
+        "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "spec_decode_num_speculative_tokens",
     )),
     *(f"specd:{h}_{part}" for h in (
         "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
@@ -204,7 +209,7 @@ def test_a_draft_identical_to_the_target_is_accepted_nearly_always(make_server, 
     drafted = delta(before, after, "specd:spec_decode_num_draft_tokens_total")
     accepted = delta(before, after, "specd:spec_decode_num_accepted_tokens_total")
     assert drafted > 50 and accepted / drafted > 0.95
-    assert after.value("specd:spec_decode_acceptance_rate", model_name=MODEL) > 0.95, "the 30 s window gauge"
+    assert after.value("specd:spec_decode_acceptance_rate_overall", model_name=MODEL) > 0.95, "the 30 s window gauge"
     assert 2.0 < after.value("specd:spec_decode_num_speculative_tokens") <= 4.0
     assert after.value("specd:generation_tokens_per_second") > 0
     lengths = after.value("specd:spec_decode_accepted_length_sum")
@@ -220,7 +225,7 @@ def test_an_unrelated_draft_is_rejected_or_switched_off_by_adaptive_k(make_serve
     drafted = delta(before, after, "specd:spec_decode_num_draft_tokens_total")
     accepted = delta(before, after, "specd:spec_decode_num_accepted_tokens_total")
     assert drafted == 0 or accepted / drafted < 0.2
-    assert after.value("specd:spec_decode_acceptance_rate") < 0.2
+    assert after.value("specd:spec_decode_acceptance_rate_overall") < 0.2
     assert after.value("specd:spec_decode_num_speculative_tokens") < 1.0, "adaptive k backs off"
 
 
@@ -321,14 +326,14 @@ def test_window_gauges_cover_the_last_30_seconds_and_fall_to_zero_when_idle():
     clock.now += 20
     m.observe_step(step_stats(num_draft_tokens=4, num_accepted_tokens=0, num_generated_tokens=1, num_decoding=3,
                               mean_k=4 / 3), [])
-    assert gauge("spec_decode_acceptance_rate") == 0.5
+    assert gauge("spec_decode_acceptance_rate_overall") == 0.5
     assert gauge("generation_tokens_per_second") == pytest.approx(6 / 30)
     assert gauge("spec_decode_num_speculative_tokens") == 2.0  # 8 drafts over 4 decoding sequence-steps
     clock.now += 15  # the first step left the window
-    assert gauge("spec_decode_acceptance_rate") == 0.0
+    assert gauge("spec_decode_acceptance_rate_overall") == 0.0
     assert gauge("generation_tokens_per_second") == pytest.approx(1 / 30)
     clock.now += 30
-    assert [gauge(g) for g in ("spec_decode_acceptance_rate", "generation_tokens_per_second",
+    assert [gauge(g) for g in ("spec_decode_acceptance_rate_overall", "generation_tokens_per_second",
                                "spec_decode_num_speculative_tokens")] == [0.0, 0.0, 0.0]
 
 

@@ -47,7 +47,7 @@ def test_a_matching_context_drafts_by_lookup_and_a_fresh_one_by_the_model(k, mod
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     r, f = standalone("r", REPEATING, greedy), standalone("f", FRESH, greedy)
     engine.drafting.plan([r, f])
-    assert r.draft.source == "lookup" and f.draft.source == "model"
+    assert r.draft.source == "ngram" and f.draft.source == "draft_model"
     assert r.draft.k >= 1 and (k is None or r.draft.k == k), "5 tokens follow the match: k is not cut"
     assert r.draft.lag == 0 and f.draft.lag == len(FRESH) - 1, "the draft model has seen nothing of f yet"
 
@@ -57,7 +57,7 @@ def test_a_one_token_match_is_not_enough_beside_a_draft_model(model_sets):
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     x = standalone("x", [1, 9, 3, 4, 9], greedy)
     engine.drafting.plan([x])
-    assert (x.draft.source, x.draft.k) == ("model", 4)
+    assert (x.draft.source, x.draft.k) == ("draft_model", 4)
 
 
 def test_mixed_proposals_carry_one_hot_q_beside_the_models_q(model_sets):
@@ -89,7 +89,7 @@ def test_hybrid_is_the_default_with_a_draft_model(model_sets):
     ms = model_sets["llama"]
     llm = LLM(str(ms.target), draft_model=str(ms.draft), dtype="float32", device="cpu")
     assert llm.engine.config.speculative_method.value == "hybrid"
-    assert set(llm.engine.drafting.policies) == {"model", "lookup"}, "one adaptive policy per source"
+    assert set(llm.engine.drafting.policies) == {"draft_model", "ngram"}, "one adaptive policy per source"
 
 
 def test_a_sequence_that_is_not_decoding_keeps_no_earlier_plan(model_sets):
@@ -98,7 +98,7 @@ def test_a_sequence_that_is_not_decoding_keeps_no_earlier_plan(model_sets):
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     r = standalone("r", REPEATING, greedy)
     engine.drafting.plan([r])
-    assert r.draft.source == "lookup" and r.draft.lookup
+    assert r.draft.source == "ngram" and r.draft.lookup
     r.reset_for_recompute()
     engine.drafting.plan([r])
     assert (r.draft.source, r.draft.k, r.draft.lookup) == (None, 0, [])

@@ -255,11 +255,11 @@ def test_constrained_samples_follow_the_masked_target(name, method, seeded, sett
     target, _ = pair
     counts, seen, rate = sampled(name, method, seeded, setting)
     label = _label(name, method, seeded, setting)
-    assert seen.get("model", 0) > 0, f"{label}: the draft model never drafted"
+    assert seen.get("draft_model", 0) > 0, f"{label}: the draft model never drafted"
     if name == "forced":
         assert seen.get("grammar", 0) > 0, f"{label}: the grammar never drafted its forced token"
     if method == "hybrid":
-        assert seen.get("lookup", 0) > 0, f"{label}: the lookup never drafted"
+        assert seen.get("ngram", 0) > 0, f"{label}: the lookup never drafted"
     if name == "forced" or method == "hybrid":
         assert seen["mixed"] > 0, f"{label}: no step mixed the sources: {seen}"
     # Both the accept and the reject paths must have run, or the test proves little.
