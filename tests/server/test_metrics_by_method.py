@@ -79,6 +79,26 @@ def test_method_counters_and_gauges_agree_with_the_per_method_usage_of_the_respo
     )
 
 
+def test_a_server_speculating_with_the_targets_own_layers_counts_them_under_self(make_server, model_sets):
+    ms = model_sets["qwen2"]
+    engine = LLMEngine(EngineConfig(model=str(ms.target), draft_layers=1, speculative_method="self",
+                                    num_speculative_tokens=3, dtype="float32", device="cpu"))
+    live = make_server(engine=engine)
+    assert set(draft_methods(engine)) == {"self", "grammar"}
+    first = Scrape.of(live)
+    usage = live.client().completions.create(prompt="def fib(n):", max_tokens=20, extra_body=IGNORE_EOS,
+                                             **GREEDY).usage
+    live.wait_idle()
+    after = Scrape.of(live)
+    extra = usage.model_extra
+    assert extra["spec_draft_tokens"] > 0
+    assert split_of(usage) == {"self": {"draft_tokens": extra["spec_draft_tokens"],
+                                        "accepted_tokens": extra["spec_accepted_tokens"]}}
+    assert delta(first, after, "specd:spec_decode_num_draft_tokens_total", method="self") == extra["spec_draft_tokens"]
+    assert delta(first, after, "specd:spec_decode_num_accepted_tokens_total", method="self") == \
+        extra["spec_accepted_tokens"]
+
+
 def test_usage_splits_the_drafts_by_method_streamed_or_not_and_leaves_the_split_out_without_drafts(server):
     client = server.client()
     resp = client.completions.create(prompt="def fib(n):", max_tokens=12, n=2, extra_body=IGNORE_EOS, **GREEDY)

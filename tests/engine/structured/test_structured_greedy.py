@@ -124,6 +124,7 @@ SETTINGS = {
                                               grammar_drafts=False),
     "ngram/k=4": dict(speculative_method="ngram", num_speculative_tokens=4),
     "hybrid/adaptive": dict(speculative_method="hybrid"),
+    "self/k=4": dict(speculative_method="self", draft_layers=1, num_speculative_tokens=4),
 }
 
 
