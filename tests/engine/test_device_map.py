@@ -34,7 +34,7 @@ def explicit_cpu_map(target: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("method", ["draft_model", "none"])
+@pytest.mark.parametrize("method", ["draft_model", "self", "none"])
 def test_a_target_placed_by_an_explicit_device_map_decodes_like_the_unsplit_target(
     method, model_sets, tokenizer_dir, monkeypatch
 ):
@@ -51,8 +51,9 @@ def test_a_target_placed_by_an_explicit_device_map_decodes_like_the_unsplit_targ
     llm = LLM(
         model=str(ms.target),
         draft_model=str(ms.draft) if method == "draft_model" else None,
+        draft_layers=1 if method == "self" else None,
         speculative_method=method,
-        num_speculative_tokens=4 if method == "draft_model" else None,
+        num_speculative_tokens=None if method == "none" else 4,
         dtype="float32",
         device="cpu",
         device_map=device_map,
@@ -69,7 +70,7 @@ def test_a_target_placed_by_an_explicit_device_map_decodes_like_the_unsplit_targ
     for batch in ([prompts[0]], prompts):
         for prompt, out in zip(batch, llm.generate(batch, GREEDY)):
             assert_same_as_target(ref, prompt, out.token_ids, f"device_map/{method} batch={len(batch)}")
-    if method == "draft_model":
+    if method != "none":
         assert llm.stats().num_draft_tokens > 0, "speculation never ran, so this test proved nothing"
 
 
