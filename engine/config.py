@@ -17,6 +17,7 @@ class SpeculativeMethod(enum.Enum):
     DRAFT_MODEL = "draft_model"
     NGRAM = "ngram"
     SELF = "self"  # the target's first draft_layers layers draft (engine.speculative.self_draft)
+    EAGLE = "eagle"  # draft_model is an EAGLE-3 head reading the target's hidden states (engine.speculative.eagle)
     NONE = "none"
 
 
@@ -66,8 +67,8 @@ class EngineConfig:
                     f"speculative_method must be one of {valid}, got {self.speculative_method!r}"
                 ) from None
         method = self.speculative_method
-        if method is SpeculativeMethod.DRAFT_MODEL and not self.draft_model:
-            raise ValueError("speculative_method='draft_model' needs draft_model")
+        if method in (SpeculativeMethod.DRAFT_MODEL, SpeculativeMethod.EAGLE) and not self.draft_model:
+            raise ValueError(f"speculative_method={method.value!r} needs draft_model")
         if method is SpeculativeMethod.HYBRID and not self.draft_model and self.draft_layers is None:
             raise ValueError("speculative_method='hybrid' needs draft_model or draft_layers (or both)")
         if self.draft_layers is not None and method not in (SpeculativeMethod.SELF, SpeculativeMethod.HYBRID):
@@ -97,7 +98,8 @@ class EngineConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.speculative_method is SpeculativeMethod.DRAFT_MODEL or (
+        """A draft model or an EAGLE head is loaded from ``draft_model`` (engine.loader tells them apart)."""
+        return self.speculative_method in (SpeculativeMethod.DRAFT_MODEL, SpeculativeMethod.EAGLE) or (
             self.speculative_method is SpeculativeMethod.HYBRID and self.draft_model is not None
         )
 

@@ -27,16 +27,28 @@ def _layer_list(decoder: torch.nn.Module, num_layers: int) -> str:
     return found[0]
 
 
+def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
+    """The ModuleList of a causal LM's ``num_layers`` decoder layers."""
+    decoder = _decoder(model)
+    return getattr(decoder, _layer_list(decoder, num_layers))
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    prefix = getattr(model, "base_model_prefix", "")
+    decoder = getattr(model, prefix, None) if prefix else None
+    if not isinstance(decoder, torch.nn.Module):
+        raise EarlyExitError(f"{type(model).__name__} has no decoder under base_model_prefix {prefix!r}")
+    return decoder
+
+
 def truncate(model: torch.nn.Module, num_layers: int, keep: int) -> torch.nn.Module:
     """``model`` (a causal LM with ``num_layers`` decoder layers) running only its first ``keep`` layers,
     then its own final norm and LM head. Shares every parameter with ``model``."""
     if not 1 <= keep < num_layers:
         raise EarlyExitError(f"draft_layers must be in [1, {num_layers - 1}] for a target of {num_layers} layers, "
                              f"got {keep}")
-    prefix = getattr(model, "base_model_prefix", "")
-    decoder = getattr(model, prefix, None) if prefix else None
-    if not isinstance(decoder, torch.nn.Module):
-        raise EarlyExitError(f"{type(model).__name__} has no decoder under base_model_prefix {prefix!r}")
+    prefix = model.base_model_prefix
+    decoder = _decoder(model)
     name = _layer_list(decoder, num_layers)
     config = copy.deepcopy(decoder.config)
     # Llama-style forwards loop over layers[: config.num_hidden_layers]; GPT-2's aliases it as n_layer.

@@ -177,11 +177,16 @@ class LLMEngine:
         drafts = (self.drafting.propose(sched.scheduled, self.vocab_size) if self.drafting is not None
                   else Drafts([[] for _ in sched.scheduled], None))
         t2 = time.perf_counter()
+        starts = [s.seq.num_computed for s in sched.scheduled]
         logits = self._forward(sched.scheduled, drafts.tokens)  # [R, V]
         t3 = time.perf_counter()
         verdicts = self._verify(sched, drafts, logits)
         num_prompt = sum(s.num_new_tokens for s in sched.scheduled if s.seq.num_computed < s.seq.num_prompt_tokens)
         outputs = self.scheduler.update(sched, verdicts)
+        t4 = time.perf_counter()
+        if self.drafting is not None:
+            self.drafting.absorb(sched.scheduled, starts, drafts.tokens)
+        absorb_seconds = time.perf_counter() - t4  # drafting work (an EAGLE head's input), though it runs here
         if self.drafting is not None:
             fed = sum(s.num_new_tokens + len(d) for s, d in zip(sched.scheduled, drafts.tokens))
             self.drafting.observe(sched.scheduled, verdicts, fed, t3 - t2)
@@ -189,7 +194,7 @@ class LLMEngine:
         outputs = [o for o in outputs if not is_audit(o.request_id)]  # audits are the engine's own work
         grammar_seconds, compiles = self._drain_grammar_costs()
         self.last_step = StepStats.of(sched, verdicts, outputs, num_prompt, audits, self.num_running,
-                                      self.num_waiting, self.block_manager.usage, t2 - t1, t3 - t2,
+                                      self.num_waiting, self.block_manager.usage, t2 - t1 + absorb_seconds, t3 - t2,
                                       time.perf_counter() - t0, grammar_seconds, compiles)
         self.spec_stats.add(self.last_step)
         return outputs

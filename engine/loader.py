@@ -9,9 +9,11 @@ from typing import Any
 
 from transformers import AutoTokenizer, GenerationConfig
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeMethod
 from engine.graphs import Buckets
 from engine.model_runner import ModelRunner
+from engine.speculative.eagle import EagleRunner
+from engine.speculative.eagle_head import ARCHITECTURE, is_eagle_head
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +27,7 @@ class TokenizerMismatchError(ValueError):
 @dataclass
 class Loaded:
     target: ModelRunner
-    draft: ModelRunner | None
+    draft: ModelRunner | EagleRunner | None  # a draft model, or an EAGLE head (method eagle, or hybrid)
     early_exit: ModelRunner | None  # the target's first layers, drafting over its cache (self-speculation)
     tokenizer: Any | None
     eos_ids: tuple[int, ...]
@@ -90,8 +92,19 @@ def load(config: EngineConfig) -> Loaded:
     target = ModelRunner(config.model, config.dtype, config.device, config.trust_remote_code, config.device_map,
                          config.compile)
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    draft = None
-    if config.uses_draft_model:
+    draft: ModelRunner | EagleRunner | None = None
+    eagle = config.uses_draft_model and is_eagle_head(config.draft_model or "")
+    if config.speculative_method is SpeculativeMethod.EAGLE and not eagle:
+        raise ValueError(f"speculative_method 'eagle' needs draft_model to be an EAGLE-3 head (a config.json with "
+                         f"architectures [{ARCHITECTURE!r}]); {config.draft_model} is not one")
+    if config.speculative_method is SpeculativeMethod.DRAFT_MODEL and eagle:
+        raise ValueError(f"draft_model {config.draft_model} is an EAGLE-3 head, not a draft model: use "
+                         "speculative_method 'eagle' (or 'hybrid')")
+    if eagle:
+        assert config.draft_model is not None
+        draft = EagleRunner.load(config.draft_model, target)
+        target.capture_aux(draft.aux_ids)
+    elif config.uses_draft_model:
         assert config.draft_model is not None
         draft_tok = load_tokenizer(config.draft_model, config.trust_remote_code)
         check_same_tokenizer(tokenizer, draft_tok, config.model, config.draft_model)
@@ -103,7 +116,8 @@ def load(config: EngineConfig) -> Loaded:
                 f"the draft model is on {draft.device} but the target's inputs and logits are on {target.device}; "
                 f"put the draft there (device {target.device})"
             )
-    limits = [r.max_position_embeddings for r in (target, draft) if r and r.max_position_embeddings]
+    limits = [r.max_position_embeddings for r in (target, draft)
+              if isinstance(r, ModelRunner) and r.max_position_embeddings]
     model_limit = min(limits) if limits else _DEFAULT_CONTEXT
     if config.max_model_len is not None and config.max_model_len > model_limit:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {model_limit}")
@@ -134,12 +148,19 @@ def load(config: EngineConfig) -> Loaded:
         layers = config.draft_layers if config.draft_layers is not None else default_draft_layers(target)
         early_exit = ModelRunner.early_exit(target, layers)
     for runner in (target, draft, early_exit):
-        if runner is not None:
+        if isinstance(runner, ModelRunner):
             runner.warm_up_compiled(config.k_max)
-    if use_cuda_graphs(config, target):
+    graphs = use_cuda_graphs(config, target)
+    if graphs and eagle:
+        if config.cuda_graphs:
+            raise ValueError("cuda_graphs is not yet available with an EAGLE head (the bucketed forwards do not hand "
+                             "it the target's hidden states); leave cuda_graphs unset or false")
+        logger.warning("an EAGLE head drafts: decode and verify forwards run without CUDA graphs for now")
+        graphs = False
+    if graphs:
         buckets = Buckets.for_limits(config.max_num_seqs, config.k_max, max_model_len, config.block_size)
         for runner in (target, draft, early_exit):
-            if runner is not None:
+            if isinstance(runner, ModelRunner):
                 runner.use_buckets(buckets, use_paged_kernel(config, target))
                 assert runner.static is not None
                 seconds = runner.static.capture_all()
@@ -150,7 +171,7 @@ def load(config: EngineConfig) -> Loaded:
         "loaded %s%s on %s (%s) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s); "
         "max_model_len %d",
         config.model,
-        (f" with draft {config.draft_model}" if draft else "")
+        (f" with {'EAGLE-3 head' if eagle else 'draft'} {config.draft_model}" if draft else "")
         + (f", self-drafting from {early_exit.name}" if early_exit else ""),
         ", ".join(str(d) for d in dict.fromkeys(target.layer_devices)) if target.split else target.device,
         str(target.dtype).removeprefix("torch."),

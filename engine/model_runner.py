@@ -11,7 +11,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from engine import attention
 from engine.compiled import CompiledForward, warm_up
 from engine.config import DeviceMap
-from engine.early_exit import truncate
+from engine.early_exit import decoder_layers, truncate
 from engine.graphs import Buckets, StaticForward
 from engine.kv_cache import LayerShape, PagedKVCache
 from engine.scheduler import ScheduledSeq
@@ -140,6 +140,7 @@ class ModelRunner:
         runner.layer_devices = target.layer_devices[:num_layers]
         runner.layer_shapes = target.layer_shapes[:num_layers]
         runner.cache, runner.static = target.cache, None
+        runner.aux_ids, runner.aux = (), None
         runner.name = f"{target.name} layers [0, {num_layers})"
         runner.compiled = CompiledForward(runner.model, runner.name) if target.compiled is not None else None
         return runner
@@ -167,6 +168,25 @@ class ModelRunner:
         self.static: StaticForward | None = None
         self.name = name
         self.compiled = CompiledForward(self.model, name) if compile else None
+        self.aux_ids: tuple[int, ...] = ()
+        self.aux: torch.Tensor | None = None
+
+    def capture_aux(self, layer_ids: tuple[int, ...]) -> None:
+        """Keep, from every forward from now on, the inputs of these decoder layers (index 0: the embedding
+        output), concatenated: ``self.aux`` [T, len(layer_ids) * hidden], a row per fed token. EAGLE heads
+        read them. Not with static buckets (their rows are padded)."""
+        layers = decoder_layers(self.model, len(self.layer_shapes))
+        parts: dict[int, torch.Tensor] = {}
+        self._aux_parts = parts
+
+        def keep(i: int):  # noqa: ANN202
+            def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:  # noqa: ANN001
+                parts[i] = args[0] if args else kwargs["hidden_states"]
+            return hook
+
+        for i in dict.fromkeys(layer_ids):
+            layers[i].register_forward_pre_hook(keep(i), with_kwargs=True)
+        self.aux_ids = tuple(layer_ids)
 
     def _select_rows(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
         if self._keep is None:
@@ -227,6 +247,8 @@ class ModelRunner:
         assert self.cache is not None, "allocate_cache() first"
         if self.split:
             raise ValueError("static buckets and CUDA graphs need the model on one device (no device_map)")
+        if self.aux_ids:
+            raise ValueError("static buckets and CUDA graphs do not yet hand an EAGLE head the target's hidden states")
         call = self.compiled.fn if self.compiled is not None else None
         self.static = StaticForward(self.model, self.cache, buckets, self.device, self.name, call, paged_kernel)
 
@@ -303,5 +325,8 @@ class ModelRunner:
                 out = self.model(**inputs)
         finally:
             self._keep = None
+        if self.aux_ids:
+            # The early exit shares these layers and fires the hooks too: only the target's own forward is kept.
+            self.aux = torch.cat([self._aux_parts[i][0].to(self.device) for i in self.aux_ids], dim=-1)
         # A split model's head is on its last device; sampling and the drafter work on the first.
         return out.logits[0].to(self.device, torch.float32)  # [R, V]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.detokenizer import TextState
 from engine.sampling_params import SamplingParams
@@ -80,6 +80,9 @@ class Sequence:
     num_healed_tokens: int = 0  # prompt tokens token healing backed off (engine.structured.healing): still the client's
     num_computed: int = 0
     draft_num_computed: int = 0  # the draft model's own cache, kept in step with the target's
+    # An EAGLE head's input rows for positions [draft_num_computed, num_computed): the target's fused hidden
+    # states, waiting for the head's next catch-up (engine.speculative.eagle); a torch tensor, typed loosely here.
+    draft_hidden: Any = None
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -134,6 +137,7 @@ class Sequence:
         """Preemption: the blocks are gone, so every token must be recomputed later."""
         self.num_computed = 0
         self.draft_num_computed = 0
+        self.draft_hidden = None
         self.block_table = []
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1

@@ -31,9 +31,10 @@ from recipe.objectives import bits_per_byte
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def held_out_prompts(tokenizer: object, n: int, prompt_tokens: int = 96) -> list[list[int]]:
+def held_out_prompts(tokenizer: object, n: int, prompt_tokens: int = 96, mid_line: bool = False) -> list[list[int]]:
     """n prompts of ~prompt_tokens tokens from the held-out files, each cut just after a newline so the
-    completion starts a fresh line; evenly spaced through the held-out token stream."""
+    completion starts a fresh line (``mid_line``: wherever the window ends, mostly inside a line); evenly
+    spaced through the held-out token stream."""
     _, held_out = split(stdlib_files())
     stream = token_stream(held_out, tokenizer).tolist()
     newline_ids = {i for tok, i in tokenizer.get_vocab().items() if tok.endswith("Ċ")}
@@ -42,7 +43,7 @@ def held_out_prompts(tokenizer: object, n: int, prompt_tokens: int = 96) -> list
     stride = len(stream) // n
     for j in range(n):
         end = j * stride + prompt_tokens
-        while end < len(stream) and stream[end - 1] not in newline_ids:
+        while not mid_line and end < len(stream) and stream[end - 1] not in newline_ids:
             end += 1
         window = stream[end - prompt_tokens : end]
         if eos in window:  # do not straddle two files
@@ -109,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--draft", type=Path, help="another draft to measure with the pair's target (default: PAIR/draft)")
+    ap.add_argument("--eagle", type=Path, help="an EAGLE-3 head for the pair's target (default: PAIR/eagle)")
+    ap.add_argument("--mid-line", action="store_true", help="prompts end wherever their window does, mostly "
+                    "inside a line (default: just after a newline)")
     ap.add_argument("--configs", help="comma-separated subset of the configurations (names as printed); the "
                     "self-speculation ones run only when named")
     ap.add_argument("--json", type=Path, help="where to write the figures (default: PAIR/EVAL.json)")
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     target, draft = str(args.pair / "target"), str(args.draft or args.pair / "draft")
     tok = AutoTokenizer.from_pretrained(target)
-    prompts = held_out_prompts(tok, args.prompts)
+    prompts = held_out_prompts(tok, args.prompts, mid_line=args.mid_line)
     bpb = measure_bpb(Path(target), Path(draft))
 
     common = {"dtype": "float32", "device": "cpu"}
@@ -132,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         makers[f"self L={layers} k=4"] = lambda n=layers: LLM(target, speculative_method="self", draft_layers=n,
                                                                num_speculative_tokens=4, **common)
     makers["self L=2 adaptive"] = lambda: LLM(target, speculative_method="self", draft_layers=2, **common)
+    eagle = str(args.eagle or args.pair / "eagle")
+    if Path(eagle).is_dir():  # the head reads the target's hidden states; "hybrid eagle": with prompt lookup
+        makers["eagle k=4"] = lambda: LLM(target, draft_model=eagle, speculative_method="eagle",
+                                          num_speculative_tokens=4, **common)
+        makers["eagle adaptive"] = lambda: LLM(target, draft_model=eagle, speculative_method="eagle", **common)
+        makers["hybrid eagle"] = lambda: LLM(target, draft_model=eagle, speculative_method="hybrid", **common)
     opt_in = {name for name in makers if name.startswith("self")}
     named = {c.strip() for c in args.configs.split(",")} | {"speculation off"} if args.configs else None
     wanted = named if named is not None else set(makers) - opt_in
@@ -167,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             "cost_ratio": times[name].cost_ratio(draft_tokens),
         }
     result = {
-        "draft": os.path.relpath(draft, REPO_ROOT), "held_out_bits_per_byte": {k: round(v, 4) for k, v in bpb.items()},
+        "draft": os.path.relpath(draft, REPO_ROOT), "prompt_ends": "mid-line" if args.mid_line else "line end",
+        "held_out_bits_per_byte": {k: round(v, 4) for k, v in bpb.items()},
         "prompts": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds,
         "threads": torch.get_num_threads(), "engine": rows,
     }

@@ -41,13 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", default=None, help=f"YAML file with the same options, dashes or underscores (or set {CONFIG_ENV})"
     )
     s.add_argument("--model", help="target model directory or hub id (default: the embedded pair in models/default)")
-    s.add_argument("--draft-model", help="draft model sharing the target's tokenizer")
+    s.add_argument("--draft-model",
+                   help="draft model sharing the target's tokenizer, or an EAGLE-3 head for the target")
     s.add_argument("--draft-layers", type=int, metavar="L",
                    help="self-speculation: the target's first L layers, its final norm and LM head draft, over "
                    "the target's own KV cache (method self; with hybrid, beside lookup and any draft model)")
     s.add_argument("--speculative-method", choices=METHODS,
                    help="default: hybrid (draft model + n-gram lookup) with a draft, else none; self: the target's "
-                   "first --draft-layers layers draft (default a third of them)")
+                   "first --draft-layers layers draft (default a third of them); eagle: --draft-model is an EAGLE-3 "
+                   "head reading the target's hidden states (the embedded target has one)")
     s.add_argument("--num-speculative-tokens", type=_k, help="drafts per step, 0..16, or 'adaptive' (default)")
     s.add_argument("--served-model-name", help="the model id clients use (default: the model directory's name)")
     s.add_argument("--chat-template", help="Jinja file to use instead of the tokenizer's chat template")

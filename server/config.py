@@ -20,11 +20,12 @@ DEFAULT_PAIR_ENV = "SPECD_DEFAULT_PAIR_DIR"
 DEFAULT_PAIR = Path(os.environ.get(DEFAULT_PAIR_ENV) or REPO_ROOT / "models" / "default")
 DEFAULT_TARGET = DEFAULT_PAIR / "target"
 DEFAULT_DRAFT = DEFAULT_PAIR / "draft"
+DEFAULT_EAGLE = DEFAULT_PAIR / "eagle"  # the EAGLE-3 head trained for the embedded target (recipe.eagle)
 DEFAULT_SERVED_NAME = "specd-default"
 ENV_PREFIX = "SPECD_"  # SPECD_<OPTION IN CAPITALS> sets any option below
 API_KEY_ENV = "SPECD_API_KEY"
 CONFIG_ENV = "SPECD_CONFIG"  # the YAML file, when --config is not given
-METHODS = ("hybrid", "draft_model", "ngram", "self", "none")
+METHODS = ("hybrid", "draft_model", "eagle", "ngram", "self", "none")
 
 
 class ConfigError(ValueError):
@@ -79,8 +80,8 @@ class ServerConfig:
         if self.speculative_method is not None and self.speculative_method not in METHODS:
             valid = ", ".join(METHODS)
             raise ConfigError(f"speculative_method must be one of {valid}, got {self.speculative_method!r}")
-        if self.speculative_method == "draft_model" and self.model is not None and not self.draft_model:
-            raise ConfigError("speculative_method draft_model needs --draft-model")
+        if self.speculative_method in ("draft_model", "eagle") and self.model is not None and not self.draft_model:
+            raise ConfigError(f"speculative_method {self.speculative_method} needs --draft-model")
         if (self.speculative_method == "hybrid" and self.model is not None and not self.draft_model
                 and self.draft_layers is None):
             raise ConfigError("speculative_method hybrid needs --draft-model or --draft-layers (or both)")
@@ -116,6 +117,8 @@ class ServerConfig:
 
     @property
     def draft_path(self) -> str | None:
+        if self.model is None and self.speculative_method == "eagle":
+            return self.draft_model or str(DEFAULT_EAGLE)
         if self.model is None and (self.draft_model or self.speculative_method in (None, "draft_model", "hybrid")):
             # The embedded pair's draft, unless self-speculation alone was asked for.
             return self.draft_model or str(DEFAULT_DRAFT)
@@ -139,7 +142,7 @@ class ServerConfig:
         """Fail before loading anything (and before binding a port) when a model path is missing."""
         if self.uses_default_pair:
             needed = [self.target_path]
-            if self.method in ("draft_model", "hybrid") and self.draft_path:
+            if self.method in ("draft_model", "eagle", "hybrid") and self.draft_path:
                 needed.append(self.draft_path)
             missing = [p for p in needed if not Path(p).exists()]
             if missing:
@@ -161,7 +164,7 @@ class ServerConfig:
         method = self.method
         return EngineConfig(
             model=self.target_path,
-            draft_model=self.draft_path if method in ("draft_model", "hybrid") else None,
+            draft_model=self.draft_path if method in ("draft_model", "eagle", "hybrid") else None,
             draft_layers=self.draft_layers,
             speculative_method=method,
             num_speculative_tokens=self.num_speculative_tokens,

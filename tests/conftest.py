@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_models import ARCHS, build_tokenizer, save_model, tiny_config
+from tests.tiny_models import ARCHS, VOCAB, build_tokenizer, save_eagle_head, save_model, tiny_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -42,3 +42,14 @@ def model_sets(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) ->
         save_model(cfg, root / f"{arch}-unrelated", seed=300 + i, tokenizer_dir=tokenizer_dir)
         sets[arch] = ModelSet(arch, root / f"{arch}-target", root / f"{arch}-draft", root / f"{arch}-unrelated")
     return sets
+
+
+@pytest.fixture(scope="session")
+def eagle_heads(tmp_path_factory: pytest.TempPathFactory, model_sets: dict[str, ModelSet]) -> dict[str, Path]:
+    """Per architecture, an EAGLE-3 head for the tiny target (a reduced draft vocabulary, so d2t maps)."""
+    root = tmp_path_factory.mktemp("eagle")
+    heads = {}
+    for i, arch in enumerate(ARCHS):
+        heads[arch] = root / arch
+        save_eagle_head(heads[arch], seed=400 + i, draft_vocab=VOCAB - 20)
+    return heads

@@ -97,3 +97,26 @@ def save_model(config: PretrainedConfig, out: Path, seed: int, tokenizer_dir: Pa
     if tokenizer_dir is not None:
         PreTrainedTokenizerFast.from_pretrained(tokenizer_dir).save_pretrained(out)
     return model
+
+
+def eagle_head_config(hidden: int = 64, draft_vocab: int | None = None) -> LlamaConfig:
+    """An EAGLE-3 head's config for the tiny targets (of any architecture: the head is Llama-style)."""
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        draft_vocab_size=draft_vocab or VOCAB, eos_token_id=EOS, tie_word_embeddings=False,
+    )
+
+
+def save_eagle_head(out: Path, seed: int, hidden: int = 64, draft_vocab: int | None = None,
+                    own_embeddings: bool = False) -> torch.nn.Module:
+    """A random EAGLE-3 head in the published layout; with ``draft_vocab``, a reduced vocabulary of the even
+    token ids 0, 2, 4, ..., then odd ones (so that d2t is not all zeros)."""
+    from engine.speculative.eagle_head import Eagle3Head, save_head
+
+    torch.manual_seed(seed)
+    head = Eagle3Head(eagle_head_config(hidden, draft_vocab), hidden, own_embeddings=own_embeddings)
+    if draft_vocab:
+        head.set_draft_vocab(torch.cat([torch.arange(0, VOCAB, 2), torch.arange(1, VOCAB, 2)])[:draft_vocab])
+    save_head(head.eval(), out)
+    return head

@@ -22,6 +22,7 @@ from engine.sequence import Sequence
 from engine.speculative.adaptive import AdaptivePolicy
 from engine.speculative.calibrate import calibrate
 from engine.speculative.draft_model import DraftModelSource
+from engine.speculative.eagle import EagleRunner, EagleSource
 from engine.speculative.ngram import LookupSource
 from engine.speculative.self_draft import SelfDraftSource
 from engine.speculative.source import DraftRequest, DraftSource
@@ -150,6 +151,14 @@ class Drafting:
                 probs[i, j, torch.tensor(t[modelled[i]:], device=probs.device)] = 1.0
         return Drafts(tokens, probs)
 
+    def absorb(self, scheduled: list[ScheduledSeq], starts: list[int], drafts: list[list[int]]) -> None:
+        """After the target's forward and the scheduler's update: drafters that read the target's hidden states
+        (EAGLE heads) take those of the positions each sequence kept. ``starts``: num_computed before the step."""
+        fed = [s.num_new_tokens + len(d) for s, d in zip(scheduled, drafts)]
+        for drafter in self.drafters:
+            if isinstance(drafter, EagleSource):
+                drafter.absorb(scheduled, starts, fed)
+
     def observe(self, scheduled: list[ScheduledSeq], verdicts: list[Verdict | None], num_fed: int,
                 target_seconds: float) -> None:
         """Costs of this step's forwards, and each sequence's outcome, into the adaptive policies."""
@@ -208,14 +217,17 @@ def with_forced(scheduled: list[ScheduledSeq], tokens: list[list[int]]) -> list[
     return tokens
 
 
-def make_drafting(config: EngineConfig, target: ModelRunner, draft: ModelRunner | None,
+def make_drafting(config: EngineConfig, target: ModelRunner, draft: ModelRunner | EagleRunner | None,
                   early_exit: ModelRunner | None, eos_ids: tuple[int, ...]) -> Drafting | None:
-    """``draft``: the draft model's runner; ``early_exit``: the target's first layers (self-speculation)."""
+    """``draft``: the draft model's runner or an EAGLE head's; ``early_exit``: the target's first layers
+    (self-speculation)."""
     if not config.speculates:
         return None
     method = config.speculative_method
-    drafters: list[tuple[DraftSource, ModelRunner | None]] = []
-    if draft is not None:
+    drafters: list[tuple[DraftSource, ModelRunner | EagleRunner | None]] = []
+    if isinstance(draft, EagleRunner):
+        drafters.append((EagleSource(draft, target, eos_ids), draft))
+    elif draft is not None:
         drafters.append((DraftModelSource(draft, target.vocab_size, eos_ids), draft))
     if early_exit is not None:
         drafters.append((SelfDraftSource(early_exit, target.vocab_size, eos_ids), early_exit))

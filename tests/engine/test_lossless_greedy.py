@@ -48,20 +48,22 @@ METHODS = {
     "hybrid": dict(draft=True),
     "self": dict(draft_layers=1),
     "hybrid+self": dict(draft=True, draft_layers=1),
+    "eagle": dict(eagle=True),
+    "hybrid+eagle": dict(eagle=True),  # an EAGLE-3 head beside prompt lookup
 }
 
 
 @pytest.mark.parametrize("k", [1, 4, 8, None], ids=lambda k: f"k={k if k is not None else 'adaptive'}")
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_speculation_equals_target_alone(arch, method, k, model_sets, references, tokenizer_dir):
+def test_greedy_speculation_equals_target_alone(arch, method, k, model_sets, eagle_heads, references, tokenizer_dir):
     ms = model_sets[arch]
     sources = METHODS[method]
     llm = LLM(
         model=str(ms.target),
-        draft_model=str(ms.draft) if sources.get("draft") else None,
+        draft_model=str(eagle_heads[arch]) if sources.get("eagle") else str(ms.draft) if sources.get("draft") else None,
         draft_layers=sources.get("draft_layers"),
-        speculative_method=method.removesuffix("+self"),
+        speculative_method=method.split("+")[0],
         num_speculative_tokens=k,
         dtype="float32",
         device="cpu",

@@ -11,6 +11,7 @@ from engine.stats import SourceStepStats
 from server.metrics import Metrics, draft_methods
 from tests.server.conftest import MODEL
 from tests.server.test_metrics import GREEDY, Clock, Scrape, delta, step_stats
+from tests.tiny_models import save_eagle_head
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,12 +80,19 @@ def test_method_counters_and_gauges_agree_with_the_per_method_usage_of_the_respo
     )
 
 
-def test_a_server_speculating_with_the_targets_own_layers_counts_them_under_self(make_server, model_sets):
+@pytest.mark.parametrize("method", ["self", "eagle"])
+def test_a_server_speculating_with_the_targets_own_states_counts_them_under_their_method(method, make_server,
+                                                                                        model_sets, tmp_path):
+    """"self": the target's first layer drafts; "eagle": an EAGLE-3 head reading its hidden states."""
     ms = model_sets["qwen2"]
-    engine = LLMEngine(EngineConfig(model=str(ms.target), draft_layers=1, speculative_method="self",
-                                    num_speculative_tokens=3, dtype="float32", device="cpu"))
+    if method == "eagle":
+        save_eagle_head(tmp_path, seed=1)
+    engine = LLMEngine(EngineConfig(model=str(ms.target), draft_layers=1 if method == "self" else None,
+                                    draft_model=str(tmp_path) if method == "eagle" else None,
+                                    speculative_method=method, num_speculative_tokens=3, dtype="float32",
+                                    device="cpu"))
     live = make_server(engine=engine)
-    assert set(draft_methods(engine)) == {"self", "grammar"}
+    assert set(draft_methods(engine)) == {method, "grammar"}
     first = Scrape.of(live)
     usage = live.client().completions.create(prompt="def fib(n):", max_tokens=20, extra_body=IGNORE_EOS,
                                              **GREEDY).usage
@@ -92,10 +100,11 @@ def test_a_server_speculating_with_the_targets_own_layers_counts_them_under_self
     after = Scrape.of(live)
     extra = usage.model_extra
     assert extra["spec_draft_tokens"] > 0
-    assert split_of(usage) == {"self": {"draft_tokens": extra["spec_draft_tokens"],
+    assert split_of(usage) == {method: {"draft_tokens": extra["spec_draft_tokens"],
                                         "accepted_tokens": extra["spec_accepted_tokens"]}}
-    assert delta(first, after, "specd:spec_decode_num_draft_tokens_total", method="self") == extra["spec_draft_tokens"]
-    assert delta(first, after, "specd:spec_decode_num_accepted_tokens_total", method="self") == \
+    assert delta(first, after, "specd:spec_decode_num_draft_tokens_total", method=method) == \
+        extra["spec_draft_tokens"]
+    assert delta(first, after, "specd:spec_decode_num_accepted_tokens_total", method=method) == \
         extra["spec_accepted_tokens"]
 
 
