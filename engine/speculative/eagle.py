@@ -58,7 +58,8 @@ class EagleRunner:
     @classmethod
     def load(cls, path: str, target: ModelRunner) -> EagleRunner:
         config = target.model.config.get_text_config()
-        return cls(load_head(path, config.hidden_size, target.vocab_size), target, f"EAGLE-3 head {path}")
+        head = load_head(path, config.hidden_size, target.vocab_size, target.model.get_output_embeddings())
+        return cls(head, target, f"EAGLE-3 head {path}")
 
     def bytes_per_block(self, block_size: int) -> int:
         return PagedKVCache.bytes_per_block(self.layer_shapes, block_size, self.dtype)

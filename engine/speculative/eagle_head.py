@@ -12,6 +12,7 @@ output): a Llama-style ``config.json`` with ``draft_vocab_size`` (and optionally
     d2t                             [V_draft] int64: draft id i is target id i + d2t[i]
     t2d                             [V] bool: which target ids the draft vocabulary holds (unused here)
     embed_tokens.weight             optional; without it the target's embedding is used
+    lm_head.weight                  optional over the full vocabulary: without it the target's LM head is used
 
 At position t the head reads the embedding of token t + 1 and a hidden vector for position t: the fused
 target hidden states where the target has computed t, else its own previous output (chain drafting).
@@ -200,8 +201,10 @@ def _state_dict(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_head(path: str, target_hidden_size: int, target_vocab: int) -> Eagle3Head:
-    """The head at ``path`` for a target of this width and vocabulary, on the CPU in float32."""
+def load_head(path: str, target_hidden_size: int, target_vocab: int,
+              target_lm_head: nn.Module | None = None) -> Eagle3Head:
+    """The head at ``path`` for a target of this width and vocabulary, on the CPU in float32. A head without
+    ``lm_head.weight`` (and a full draft vocabulary) uses ``target_lm_head``, the target's own module."""
     config = head_config(path)
     if config.vocab_size != target_vocab:
         raise EagleHeadError(f"{path} is a head for a vocabulary of {config.vocab_size} tokens, the target has "
@@ -221,6 +224,9 @@ def load_head(path: str, target_hidden_size: int, target_vocab: int) -> Eagle3He
         state["t2d"] = head.t2d.clone()
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.startswith("rotary_emb.")]
+    if "lm_head.weight" in missing and target_lm_head is not None and head.draft_vocab_size == target_vocab:
+        head.lm_head = target_lm_head  # shared, not copied: the target's rows, as in EAGLE-1 style heads
+        missing.remove("lm_head.weight")
     if missing or unexpected:
         raise EagleHeadError(f"{path}: weights do not match the EAGLE-3 layout (missing {missing}, unexpected "
                              f"{unexpected})")

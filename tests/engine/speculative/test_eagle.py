@@ -252,3 +252,23 @@ def test_a_cached_prefix_the_head_never_saw_is_skipped_and_decoding_stays_exact(
         engine.step()
     assert seq.token_ids[len(prompt) :] == first
     assert llm.stats().num_draft_tokens > 0
+
+
+def test_a_head_without_an_lm_head_drafts_through_the_targets_own(model_sets, tmp_path):
+    """EAGLE-1-style checkpoints carry no LM head: the target's module is shared (not copied)."""
+    from safetensors.torch import save_file
+
+    save_eagle_head(tmp_path, seed=2)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state["lm_head.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    target = ModelRunner(str(model_sets["llama"].target), "float32", "cpu")
+    target.allocate_cache(8, 4)
+    runner = EagleRunner.load(str(tmp_path), target)
+    assert runner.head.lm_head is target.model.get_output_embeddings()
+    runner.allocate_cache(8, 4)
+    logits = runner.forward(ForwardBatch([[5, 6, 7]], [0], [[1]], [2]), torch.randn(3, 64))
+    want = target.model.get_output_embeddings()(runner.head.norm(runner.prenorm))
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(EagleHeadError, match="lm_head.weight"):
+        load_head(str(tmp_path), 64, VOCAB)  # and no target head to fall back on
