@@ -1,15 +1,24 @@
-"""The `specd distill` command line: flags, corpus choice and draft shape. Imports torch only when it runs."""
+"""The `specd distill` command line: flags, corpus choice and draft shape. Imports torch only when it runs.
+
+--method draft_model (the default) trains a small Llama draft (recipe/distill.py); --method eagle trains an
+EAGLE-3 head on the target's hidden states (recipe/eagle.py)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from recipe.corpus import CorpusFile
 
 logger = logging.getLogger("recipe")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", choices=("draft_model", "eagle"), default="draft_model",
+                   help="draft_model: a small Llama distilled from the target (default); eagle: an EAGLE-3 head")
     p.add_argument("--target", required=True, help="target model directory or hub id (its tokenizer is used)")
     p.add_argument("--out", required=True, help="directory to write the draft to")
     p.add_argument("--corpus", nargs="+", help="text files or directories (default: the Python stdlib's train split)")
@@ -21,9 +30,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-layers", type=int, help="draft depth (default: an eighth of the target's)")
     p.add_argument("--num-heads", type=int, help="attention heads (default: width / 32)")
     p.add_argument("--intermediate-size", type=int, help="MLP width (default: 3x the width)")
+    p.add_argument("--draft-vocab", type=int,
+                   help="eagle: draft vocabulary size, the corpus's most frequent tokens (default: the smallest of "
+                   "1024, 2048, 4096, ... covering 98%% of the target's held-out argmax tokens)")
+    p.add_argument("--ttt-steps", type=int, default=3,
+                   help="eagle: chain steps trained per window (training-time test), the target-fed step included")
+    p.add_argument("--aux-layers", type=int, nargs=3, metavar="I",
+                   help="eagle: the target layers whose inputs the head reads (default: vLLM's 2, n/2, n-3 when "
+                   "distinct, else 1, n/2, n-1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--threads", type=int, help="CPU threads for training (default: torch's, all cores)")
     p.add_argument("--trust-remote-code", action="store_true")
 
 
@@ -35,11 +53,19 @@ def run(args: argparse.Namespace) -> int:
     from recipe.train import TrainConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     held_out = None
     if args.corpus:
         corpus = text_files(args.corpus)
+        corpus_name = " ".join(args.corpus)
     else:
         corpus, held_out = split(stdlib_files())
+        corpus_name = "the Python stdlib's train split (recipe/corpus.py), its held-out split for evaluation"
+    if args.method == "eagle":
+        return _eagle(args, corpus, held_out, corpus_name)
     shape = None
     if any(v is not None for v in (args.hidden_size, args.num_layers, args.num_heads, args.intermediate_size)):
         base = DraftShape.for_target(AutoConfig.from_pretrained(args.target, trust_remote_code=args.trust_remote_code))
@@ -55,4 +81,27 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(steps=args.steps, lr=args.lr, log_every=args.log_every, eval_every=max(1, args.steps // 5))
     distill(args.target, Path(args.out), corpus, shape, cfg, args.seq_len, args.batch_size, args.seed, args.device,
             held_out=held_out, trust_remote_code=args.trust_remote_code)
+    return 0
+
+
+def _eagle(args: argparse.Namespace, corpus: list[CorpusFile], held_out: list[CorpusFile] | None,
+           corpus_name: str) -> int:
+    from recipe.eagle import EagleSetup, train_eagle
+    from recipe.train import TrainConfig
+
+    shape_flags = ("hidden_size", "num_layers", "num_heads", "intermediate_size")
+    given = [f"--{f.replace('_', '-')}" for f in shape_flags if getattr(args, f) is not None]
+    if given:
+        logger.error("distill: %s do not apply to --method eagle (the head is one layer as wide as the target)",
+                     ", ".join(given))
+        return 2
+    setup = EagleSetup(ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
+                       aux_layers=tuple(args.aux_layers) if args.aux_layers else None, seq_len=args.seq_len,
+                       batch_size=args.batch_size, seed=args.seed)
+    cfg = TrainConfig(steps=args.steps, lr=args.lr, log_every=args.log_every, eval_every=max(1, args.steps // 5),
+                      warmup_steps=min(100, max(1, args.steps // 10)))
+    if args.trust_remote_code:
+        logger.warning("--trust-remote-code: the target's repository code will run in this process")
+    train_eagle(args.target, Path(args.out), corpus, cfg, setup, args.device, held_out=held_out,
+                corpus_name=corpus_name, trust_remote_code=args.trust_remote_code)
     return 0

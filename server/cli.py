@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-request-text", action="store_true", help="also log prompts and completions (implies --log-requests)"
     )
     distill = sub.add_parser(
-        "distill", help="train a draft for a target by distillation (KL to the target on a text corpus)"
+        "distill", help="train a draft for a target on a text corpus: a small draft model by distillation (KL to "
+        "the target), or with --method eagle an EAGLE-3 head on the target's hidden states"
     )
     from recipe.distill_cli import add_arguments
 
