@@ -62,6 +62,20 @@ class ForwardBatch:
     # only say how many tokens each sequence feeds, and nothing is copied from the host.
     input_ids: torch.Tensor | None = None
 
+    def ids(self, device: torch.device) -> torch.Tensor:
+        """The fed tokens as [1, T] on ``device``."""
+        if self.input_ids is not None:
+            return self.input_ids.view(1, -1)
+        return torch.tensor([[t for toks in self.token_ids for t in toks]], dtype=torch.long, device=device)
+
+    def logits_row_index(self) -> tuple[list[int], int]:
+        """The packed rows that need logits, in order, and the number of rows T."""
+        keep, end = [], 0
+        for toks, r in zip(self.token_ids, self.logits_rows):
+            end += len(toks)
+            keep.extend(range(end - r, end))
+        return keep, end
+
 
 def step_batch(scheduled: list[ScheduledSeq], drafts: list[list[int]]) -> ForwardBatch:
     """The step's one target pass: each sequence's uncomputed tokens plus its drafts. Sequences that
@@ -304,16 +318,9 @@ class ModelRunner:
             return self.static.forward(bucket, batch.token_ids, batch.starts, batch.block_tables, batch.logits_rows,
                                        batch.input_ids)
         meta = attention.build_metadata(self.cache, batch.block_tables, batch.starts, ends, self.device)
-        if batch.input_ids is not None:
-            input_ids = batch.input_ids.view(1, -1)  # [1, T]
-        else:
-            flat = [t for toks in batch.token_ids for t in toks]
-            input_ids = torch.tensor([flat], dtype=torch.long, device=self.device)  # [1, T]
+        input_ids = batch.ids(self.device)  # [1, T]
         position_ids = meta.positions[None]  # [1, T]
-        keep, end = [], 0
-        for toks, r in zip(batch.token_ids, batch.logits_rows):
-            end += len(toks)
-            keep.extend(range(end - r, end))
+        keep, end = batch.logits_row_index()
         # Verify and plain decode steps want every row: no selection (None) instead of a gather of all of them.
         self._keep = None if len(keep) == end else torch.tensor(keep, dtype=torch.long, device=self.device)
         inputs = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)

@@ -79,6 +79,25 @@ class DraftModelSource:
         greedy = torch.tensor([r.seq.params.greedy for r in reqs], device=dev)
         return torch.where(greedy, picked, sample_from(q, noise)), q
 
+    @staticmethod
+    def _record(requests: list[DraftRequest], drafting: list[int], j: int, picked: torch.Tensor,
+                q: torch.Tensor | None, drafted: torch.Tensor, probs: torch.Tensor | None, walked: list[int],
+                lengths: list[int]) -> None:
+        """Position j's drafts of rows ``drafting`` (and their q where kept) into drafted [n, K] / probs
+        [n, K, V]; each structured row's grammar walks over its draft, the row ending where it completes."""
+        index = torch.tensor(drafting, device=drafted.device)
+        drafted[index, j] = picked
+        if probs is not None and q is not None:
+            probs[index, j] = q
+        structured = [i for i in drafting if requests[i].seq.grammar is not None]
+        for i, token in zip(structured, drafted[structured, j].tolist() if structured else []):
+            grammar = requests[i].seq.grammar
+            assert grammar is not None
+            grammar.push([token])
+            walked[i] += 1
+            if grammar.finished:
+                lengths[i] = j + 1
+
     def propose(self, requests: list[DraftRequest]) -> Proposal:
         n = len(requests)
         K = max(r.max_drafts for r in requests)
@@ -117,19 +136,7 @@ class DraftModelSource:
             if drafting:
                 so_far = drafted[drafting, :j].tolist() if penalised else [[0] * j] * len(drafting)
                 picked, q = self._pick(logits, [requests[i] for i in drafting], so_far)
-                index = torch.tensor(drafting, device=dev)
-                drafted[index, j] = picked
-                if probs is not None and q is not None:
-                    probs[index, j] = q
-                structured = [i for i in drafting if requests[i].seq.grammar is not None]
-                if structured:
-                    for i, token in zip(structured, drafted[structured, j].tolist()):
-                        grammar = requests[i].seq.grammar
-                        assert grammar is not None
-                        grammar.push([token])
-                        walked[i] += 1
-                        if grammar.finished:
-                            lengths[i] = j + 1
+                self._record(requests, drafting, j, picked, q, drafted, probs, walked, lengths)
             active = [i for i in drafting if lengths[i] > j + 1]
             if not active:
                 break

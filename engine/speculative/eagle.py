@@ -83,19 +83,12 @@ class EagleRunner:
         assert self.cache is not None, "allocate_cache() first"
         ends = [s + len(t) for s, t in zip(batch.starts, batch.token_ids)]
         meta = attention.build_metadata(self.cache, batch.block_tables, batch.starts, ends, self.device)
-        if batch.input_ids is not None:
-            input_ids = batch.input_ids.view(1, -1)  # [1, T]
-        else:
-            flat = [t for toks in batch.token_ids for t in toks]
-            input_ids = torch.tensor([flat], dtype=torch.long, device=self.device)  # [1, T]
+        input_ids = batch.ids(self.device)  # [1, T]
         if hidden is None:
             hidden = torch.zeros(input_ids.shape[1], self.head.config.hidden_size, dtype=self.dtype, device=self.device)
         out = self.head(input_ids, hidden.to(self.dtype)[None], meta.positions[None],
                         **{attention.METADATA_KWARG: meta})[0]  # [T, H]
-        keep, end = [], 0
-        for toks, r in zip(batch.token_ids, batch.logits_rows):
-            end += len(toks)
-            keep.extend(range(end - r, end))
+        keep, _ = batch.logits_row_index()
         self.prenorm = out.index_select(0, torch.tensor(keep, dtype=torch.long, device=self.device))  # [R, H]
         logits = self.head.logits(self.prenorm)  # [R, V]
         return logits.clamp(min=_OUTSIDE)
@@ -178,18 +171,7 @@ class EagleSource(DraftModelSource):
             assert prenorm is not None
             so_far = drafted[drafting, :j].tolist() if penalised else [[0] * j] * len(drafting)
             picked, q = self._pick(logits, [requests[i] for i in drafting], so_far)
-            index = torch.tensor(drafting, device=dev)
-            drafted[index, j] = picked
-            if probs is not None and q is not None:
-                probs[index, j] = q
-            structured = [i for i in drafting if requests[i].seq.grammar is not None]
-            for i, token in zip(structured, drafted[structured, j].tolist() if structured else []):
-                grammar = requests[i].seq.grammar
-                assert grammar is not None
-                grammar.push([token])
-                walked[i] += 1
-                if grammar.finished:
-                    lengths[i] = j + 1
+            self._record(requests, drafting, j, picked, q, drafted, probs, walked, lengths)
             # logits rows (and so prenorm rows) follow ``active``'s order, drafting rows only.
             nxt = [i for i in drafting if lengths[i] > j + 1]
             if not nxt:
