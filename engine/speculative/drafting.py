@@ -154,10 +154,9 @@ class Drafting:
     def absorb(self, scheduled: list[ScheduledSeq], starts: list[int], drafts: list[list[int]]) -> None:
         """After the target's forward and the scheduler's update: drafters that read the target's hidden states
         (EAGLE heads) take those of the positions each sequence kept. ``starts``: num_computed before the step."""
-        fed = [s.num_new_tokens + len(d) for s, d in zip(scheduled, drafts)]
-        for drafter in self.drafters:
+        for drafter in self.drafters:  # at most one: a draft model or a head
             if isinstance(drafter, EagleSource):
-                drafter.absorb(scheduled, starts, fed)
+                drafter.absorb(scheduled, starts, [s.num_new_tokens + len(d) for s, d in zip(scheduled, drafts)])
 
     def observe(self, scheduled: list[ScheduledSeq], verdicts: list[Verdict | None], num_fed: int,
                 target_seconds: float) -> None:
