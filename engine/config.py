@@ -28,6 +28,9 @@ class EngineConfig:
     # Self-speculation: the target's first draft_layers layers, final norm and LM head draft (method "self", or
     # "hybrid" beside the lookup and any draft model). None with method "self": a third of the layers.
     draft_layers: int | None = None
+    # Draft through the target checkpoint's trained exit head (MODEL/exit_head/) when it is for draft_layers;
+    # False: through the target's own final norm and LM head (engine.speculative.exit_head).
+    exit_head: bool = True
     speculative_method: SpeculativeMethod = SpeculativeMethod.NONE
     # None = adaptive: choose k per sequence per step from acceptance and measured costs.
     num_speculative_tokens: int | None = None

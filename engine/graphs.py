@@ -111,7 +111,7 @@ class StaticForward:
         self._staging = [torch.zeros(size, dtype=torch.long, pin_memory=pin) for _ in range(_STAGING)]
         self._copied: list[torch.cuda.Event | None] = [None] * _STAGING
         self._turn = 0
-        vocab = model.get_output_embeddings().weight.shape[0]
+        vocab = model.config.get_text_config().vocab_size  # the LM head's width (an exit head's too)
         # Every bucket writes its logits here, so the graphs share one output instead of holding one each.
         self.logits = torch.zeros(GQ, vocab, dtype=torch.float32, device=device)
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}

@@ -12,8 +12,10 @@ from transformers import AutoTokenizer, GenerationConfig
 from engine.config import EngineConfig, SpeculativeMethod
 from engine.graphs import Buckets
 from engine.model_runner import ModelRunner
+from engine.speculative import exit_head
 from engine.speculative.eagle import EagleRunner
 from engine.speculative.eagle_head import ARCHITECTURE, is_eagle_head
+from engine.speculative.exit_head import ExitHead
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +84,29 @@ def use_paged_kernel(config: EngineConfig, target: ModelRunner) -> bool:
     return config.paged_attention == "flex"
 
 
-def default_draft_layers(target: ModelRunner) -> int:
-    """Self-speculation without --draft-layers: a third of the target's layers, at least one."""
+def default_draft_layers(target: ModelRunner, model: str = "") -> int:
+    """Self-speculation without --draft-layers: the depth the checkpoint's exit head was trained for, else a third
+    of the target's layers, at least one."""
+    path = exit_head.find(model) if model else None
+    if path is not None:
+        return exit_head.exit_layers(path)
     return max(1, len(target.layer_shapes) // 3)
+
+
+def _exit_head(model: str, target: ModelRunner, layers: int) -> ExitHead | None:
+    """The target checkpoint's trained exit head when it was trained for this depth (engine.speculative.exit_head)."""
+    path = exit_head.find(model)
+    if path is None:
+        return None
+    text = target.model.config.get_text_config()
+    head = exit_head.load(path, text.hidden_size, target.vocab_size)
+    if head.exit_layers != layers:
+        logger.info("the exit head in %s is for draft_layers %d: drafting from %d layers reads through the target's "
+                    "LM head", path, head.exit_layers, layers)
+        return None
+    logger.info("self-drafting through the trained exit head in %s (%d of %d tokens)", path, head.draft_vocab_size,
+                head.vocab_size)
+    return head
 
 
 def load(config: EngineConfig) -> Loaded:
@@ -145,8 +167,10 @@ def load(config: EngineConfig) -> Loaded:
         draft.allocate_cache(num_blocks, config.block_size)
     early_exit = None
     if config.uses_self_draft:
-        layers = config.draft_layers if config.draft_layers is not None else default_draft_layers(target)
-        early_exit = ModelRunner.early_exit(target, layers)
+        layers = config.draft_layers if config.draft_layers is not None else default_draft_layers(
+            target, config.model if config.exit_head else "")
+        head = _exit_head(config.model, target, layers) if config.exit_head else None
+        early_exit = ModelRunner.early_exit(target, layers, head)
     for runner in (target, draft, early_exit):
         if isinstance(runner, ModelRunner):
             runner.warm_up_compiled(config.k_max)

@@ -138,14 +138,20 @@ class ModelRunner:
         return runner
 
     @classmethod
-    def early_exit(cls, target: ModelRunner, num_layers: int) -> ModelRunner:
-        """The target's first ``num_layers`` layers, then its final norm and LM head, as a runner of its own
-        over the target's own KV cache (engine.early_exit): its forwards write those layers' K/V exactly where
-        the target's would. Build it after the target's ``allocate_cache``."""
+    def early_exit(cls, target: ModelRunner, num_layers: int, exit_head: torch.nn.Module | None = None) -> ModelRunner:
+        """The target's first ``num_layers`` layers, then its final norm and LM head (or ``exit_head``, a trained
+        replacement: engine.speculative.exit_head), as a runner of its own over the target's own KV cache
+        (engine.early_exit): its forwards write those layers' K/V exactly where the target's would. Build it
+        after the target's ``allocate_cache``."""
         assert target.cache is not None, "allocate the target's cache first"
         runner = cls.__new__(cls)
         runner.dtype, runner.device, runner.split = target.dtype, target.device, target.split
         runner.model = truncate(target.model, len(target.layer_shapes), num_layers)
+        if exit_head is not None:
+            head = target.model.get_output_embeddings()
+            # truncate gave the short model its own child dict: replacing its head leaves the target's in place
+            name = next(n for n, m in runner.model.named_children() if m is head)
+            runner.model._modules[name] = exit_head.to(head.weight.device, target.dtype)
         runner._keep = None
         # The head is the target's own module: both runners' row selections hook it, each a no-op while its
         # own runner is not the one running.

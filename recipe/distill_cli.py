@@ -11,14 +11,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from recipe.corpus import CorpusFile
 
 logger = logging.getLogger("recipe")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", choices=("draft_model", "eagle"), default="draft_model",
-                   help="draft_model: a small Llama distilled from the target (default); eagle: an EAGLE-3 head")
+    p.add_argument("--method", choices=("draft_model", "eagle", "self"), default="draft_model",
+                   help="draft_model: a small Llama distilled from the target (default); eagle: an EAGLE-3 head; "
+                   "self: an exit head for the target's first --draft-layers layers (OUT: the target with it)")
     p.add_argument("--target", required=True, help="target model directory or hub id (its tokenizer is used)")
     p.add_argument("--out", required=True, help="directory to write the draft to")
     p.add_argument("--corpus", nargs="+", help="text files or directories (default: the Python stdlib's train split)")
@@ -38,6 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aux-layers", type=int, nargs=3, metavar="I",
                    help="eagle: the target layers whose inputs the head reads (default: vLLM's 2, n/2, n-3 when "
                    "distinct, else 1, n/2, n-1)")
+    p.add_argument("--draft-layers", type=int,
+                   help="self: the depth the early exit drafts from (default: a third of the target's layers)")
+    p.add_argument("--tune-layers", action="store_true",
+                   help="self: also fine-tune the target's first --draft-layers layers (early-exit loss plus the "
+                   "KL of the full model to its original output); quality before and after goes to training.json")
+    p.add_argument("--quality-weight", type=float, default=1.0,
+                   help="self with --tune-layers: weight of the full model's KL to its original output")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--log-every", type=int, default=10)
@@ -64,8 +74,20 @@ def run(args: argparse.Namespace) -> int:
     else:
         corpus, held_out = split(stdlib_files())
         corpus_name = "the Python stdlib's train split (recipe/corpus.py), its held-out split for evaluation"
+    given = [f"--{f.replace('_', '-')}" for f in ("hidden_size", "num_layers", "num_heads", "intermediate_size")
+             if getattr(args, f) is not None]
+    if args.method != "draft_model" and given:
+        logger.error("distill: %s apply to --method draft_model only", ", ".join(given))
+        return 2
+    not_self = [flag for flag, on in (("--draft-layers", args.draft_layers is not None),
+                                      ("--tune-layers", args.tune_layers)) if on]
+    if args.method != "self" and not_self:
+        logger.error("distill: %s apply to --method self only", ", ".join(not_self))
+        return 2
     if args.method == "eagle":
         return _eagle(args, corpus, held_out, corpus_name)
+    if args.method == "self":
+        return _self(args, corpus, held_out, corpus_name)
     shape = None
     if any(v is not None for v in (args.hidden_size, args.num_layers, args.num_heads, args.intermediate_size)):
         base = DraftShape.for_target(AutoConfig.from_pretrained(args.target, trust_remote_code=args.trust_remote_code))
@@ -89,12 +111,6 @@ def _eagle(args: argparse.Namespace, corpus: list[CorpusFile], held_out: list[Co
     from recipe.eagle import EagleSetup, train_eagle
     from recipe.train import TrainConfig
 
-    shape_flags = ("hidden_size", "num_layers", "num_heads", "intermediate_size")
-    given = [f"--{f.replace('_', '-')}" for f in shape_flags if getattr(args, f) is not None]
-    if given:
-        logger.error("distill: %s do not apply to --method eagle (the head is one layer as wide as the target)",
-                     ", ".join(given))
-        return 2
     setup = EagleSetup(ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
                        aux_layers=tuple(args.aux_layers) if args.aux_layers else None, seq_len=args.seq_len,
                        batch_size=args.batch_size, seed=args.seed)
@@ -105,3 +121,38 @@ def _eagle(args: argparse.Namespace, corpus: list[CorpusFile], held_out: list[Co
     train_eagle(args.target, Path(args.out), corpus, cfg, setup, args.device, held_out=held_out,
                 corpus_name=corpus_name, trust_remote_code=args.trust_remote_code)
     return 0
+
+
+def _self(args: argparse.Namespace, corpus: list[CorpusFile], held_out: list[CorpusFile] | None,
+          corpus_name: str) -> int:
+    from transformers import AutoTokenizer
+
+    from recipe.self_distill import SelfSetup, train_exit
+    from recipe.train import TrainConfig
+
+    setup = SelfSetup(exit_layers=args.draft_layers, draft_vocab=args.draft_vocab, tune_layers=args.tune_layers,
+                      quality_weight=args.quality_weight, seq_len=args.seq_len, batch_size=args.batch_size,
+                      seed=args.seed)
+    cfg = TrainConfig(steps=args.steps, lr=args.lr, log_every=args.log_every, eval_every=max(1, args.steps // 5),
+                      warmup_steps=min(100, max(1, args.steps // 10)))
+    if args.trust_remote_code:
+        logger.warning("--trust-remote-code: the target's repository code will run in this process")
+    tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code)
+    train_exit(args.target, Path(args.out), corpus, cfg, setup, args.device, held_out=held_out,
+               corpus_name=corpus_name, trust_remote_code=args.trust_remote_code,
+               byte_lengths=_byte_lengths(tokenizer))
+    return 0
+
+
+def _byte_lengths(tokenizer: object) -> torch.Tensor | None:
+    """Bytes each token spells, for byte-level BPE tokenizers (one character per byte); None for others."""
+    import json
+
+    import torch
+
+    from recipe.tokenizer import token_byte_lengths
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or json.loads(backend.to_str()).get("decoder", {}).get("type") != "ByteLevel":
+        return None
+    return torch.tensor(token_byte_lengths(tokenizer))

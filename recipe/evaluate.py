@@ -23,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
+from engine.speculative import exit_head
 from recipe import tokenizer as bpe
 from recipe.corpus import split, stdlib_files
 from recipe.data import eval_windows, token_stream
@@ -52,13 +53,19 @@ def held_out_prompts(tokenizer: object, n: int, prompt_tokens: int = 96, mid_lin
     return prompts
 
 
-def measure_bpb(target: Path, draft: Path) -> dict[str, float]:
+def measure_bpb(target: Path, draft: Path, self_target: Path | None = None) -> dict[str, float]:
+    """Held-out bits per byte of the target and the draft, and of ``self_target`` when its weights are not the
+    target's (a target tuned by ``specd distill --method self --tune-layers``)."""
     tok = AutoTokenizer.from_pretrained(target)
     _, held_out = split(stdlib_files())
     windows = eval_windows(token_stream(held_out, tok), 512)
     lengths = torch.tensor(bpe.token_byte_lengths(tok))
+    models = [("target", target), ("draft", draft)]
+    if self_target is not None and (self_target / "model.safetensors").read_bytes() != (
+            target / "model.safetensors").read_bytes():
+        models.append(("self_target", self_target))
     out = {}
-    for name, path in (("target", target), ("draft", draft)):
+    for name, path in models:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         out[name] = bits_per_byte(model, windows, lengths)
     return out
@@ -111,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--draft", type=Path, help="another draft to measure with the pair's target (default: PAIR/draft)")
     ap.add_argument("--eagle", type=Path, help="an EAGLE-3 head for the pair's target (default: PAIR/eagle)")
+    ap.add_argument("--self-target", type=Path,
+                    help="the target with a trained exit head (specd distill --method self) for the 'self exit' "
+                    "configurations (default: PAIR/target when it has one)")
     ap.add_argument("--mid-line", action="store_true", help="prompts end wherever their window does, mostly "
                     "inside a line (default: just after a newline)")
     ap.add_argument("--configs", help="comma-separated subset of the configurations (names as printed); the "
@@ -121,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     target, draft = str(args.pair / "target"), str(args.draft or args.pair / "draft")
     tok = AutoTokenizer.from_pretrained(target)
     prompts = held_out_prompts(tok, args.prompts, mid_line=args.mid_line)
-    bpb = measure_bpb(Path(target), Path(draft))
 
     common = {"dtype": "float32", "device": "cpu"}
     makers: dict[str, Callable[[], LLM]] = {
@@ -132,19 +141,37 @@ def main(argv: list[str] | None = None) -> int:
         "ngram adaptive": lambda: LLM(target, speculative_method="ngram", **common),
         "hybrid adaptive": lambda: LLM(target, draft_model=draft, speculative_method="hybrid", **common),
     }
-    for layers in (1, 2, 3):  # self-speculation: the target's first layers draft (not run unless named)
+    # self-speculation through the target's own head, untrained (not run unless named)
+    for layers in (1, 2, 3):
         makers[f"self L={layers} k=4"] = lambda n=layers: LLM(target, speculative_method="self", draft_layers=n,
-                                                               num_speculative_tokens=4, **common)
-    makers["self L=2 adaptive"] = lambda: LLM(target, speculative_method="self", draft_layers=2, **common)
+                                                               exit_head=False, num_speculative_tokens=4, **common)
+    makers["self L=2 adaptive"] = lambda: LLM(target, speculative_method="self", draft_layers=2, exit_head=False,
+                                              **common)
     eagle = str(args.eagle or args.pair / "eagle")
     if Path(eagle).is_dir():  # the head reads the target's hidden states; "hybrid eagle": with prompt lookup
         makers["eagle k=4"] = lambda: LLM(target, draft_model=eagle, speculative_method="eagle",
                                           num_speculative_tokens=4, **common)
         makers["eagle adaptive"] = lambda: LLM(target, draft_model=eagle, speculative_method="eagle", **common)
         makers["hybrid eagle"] = lambda: LLM(target, draft_model=eagle, speculative_method="hybrid", **common)
-    opt_in = {name for name in makers if name.startswith("self")}
+    self_target = args.self_target or (Path(target) if exit_head.find(target) else None)
+    if self_target is not None:  # the early exit through its trained head, at the head's depth
+        st = str(self_target)
+        if exit_head.find(st) is None:
+            ap.error(f"--self-target {st} has no {exit_head.DIR_NAME}/")
+        makers["self exit k=4"] = lambda: LLM(st, speculative_method="self", num_speculative_tokens=4, **common)
+        makers["self exit adaptive"] = lambda: LLM(st, speculative_method="self", **common)
+        layers = exit_head.exit_layers(exit_head.find(st))
+        makers["hybrid self exit"] = lambda: LLM(st, draft_model=draft, draft_layers=layers,
+                                                 speculative_method="hybrid", **common)
+    opt_in = {name for name in makers if "self" in name}
+    bpb = measure_bpb(Path(target), Path(draft), self_target)
     named = {c.strip() for c in args.configs.split(",")} | {"speculation off"} if args.configs else None
     wanted = named if named is not None else set(makers) - opt_in
+    tuned = "self_target" in bpb and any("self exit" in name for name in wanted)
+    if tuned:  # a tuned target: its own configurations compare with it, not with the original
+        makers["self target off"] = lambda: LLM(st, speculative_method="none", **common)
+        wanted.add("self target off")
+    own_off = {name: "self target off" if tuned and "self exit" in name else "speculation off" for name in makers}
     if wanted - set(makers):
         ap.error(f"unknown configurations {sorted(wanted - set(makers))}; known: {', '.join(makers)}")
     configs = {name: make() for name, make in makers.items() if name in wanted}
@@ -159,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             outs, secs, n = run_engine(llm, prompts, args.max_tokens)
             rates[name].append(n / secs)
             outputs[name] = outs
-    reference = outputs["speculation off"]
     rows = {}
     for name, llm in configs.items():
+        off = own_off[name]
+        reference = outputs[off]
         s, b = llm.stats(), base[name]
         drafts = s.num_drafts - b.num_drafts
         draft_tokens = s.num_draft_tokens - b.num_draft_tokens
@@ -169,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         tps = statistics.median(rates[name])
         rows[name] = {
             "tokens_per_s": round(tps, 1),
-            "speedup": round(tps / statistics.median(rates["speculation off"]), 3),
+            "speedup": round(tps / statistics.median(rates[off]), 3),
             "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else None,
             "mean_accepted_per_step": round(accepted / drafts, 3) if drafts else None,
             "identical_to_target": sum(o == r for o, r in zip(outputs[name], reference)),
@@ -177,12 +205,14 @@ def main(argv: list[str] | None = None) -> int:
             "cost_ratio": times[name].cost_ratio(draft_tokens),
         }
     result = {
-        "draft": os.path.relpath(draft, REPO_ROOT), "prompt_ends": "mid-line" if args.mid_line else "line end",
+        "draft": os.path.relpath(draft, REPO_ROOT),
+        "self_target": None if self_target is None else os.path.relpath(self_target, REPO_ROOT),
+        "prompt_ends": "mid-line" if args.mid_line else "line end",
         "held_out_bits_per_byte": {k: round(v, 4) for k, v in bpb.items()},
         "prompts": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds,
         "threads": torch.get_num_threads(), "engine": rows,
     }
-    print(f"held-out bits/byte: target {bpb['target']:.3f}, draft {bpb['draft']:.3f}")
+    print("held-out bits/byte: " + ", ".join(f"{k} {v:.3f}" for k, v in bpb.items()))
     print(f"{'config':<18}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'acc/step':>10}{'c':>7}{'same':>7}")
     for name, r in rows.items():
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"

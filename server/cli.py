@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     distill = sub.add_parser(
         "distill", help="train a draft for a target on a text corpus: a small draft model by distillation (KL to "
-        "the target), or with --method eagle an EAGLE-3 head on the target's hidden states"
+        "the target), with --method eagle an EAGLE-3 head on the target's hidden states, or with --method self an "
+        "exit head for the target's early layers"
     )
     from recipe.distill_cli import add_arguments
 

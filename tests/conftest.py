@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_models import ARCHS, VOCAB, build_tokenizer, save_eagle_head, save_model, tiny_config
+from tests.tiny_models import (
+    ARCHS,
+    VOCAB,
+    build_tokenizer,
+    save_eagle_head,
+    save_model,
+    save_with_exit_head,
+    tiny_config,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -53,3 +61,11 @@ def eagle_heads(tmp_path_factory: pytest.TempPathFactory, model_sets: dict[str, 
         heads[arch] = root / arch
         save_eagle_head(heads[arch], seed=400 + i, draft_vocab=VOCAB - 20)
     return heads
+
+
+@pytest.fixture(scope="session")
+def exit_targets(tmp_path_factory: pytest.TempPathFactory, model_sets: dict[str, ModelSet]) -> dict[str, Path]:
+    """Per architecture, the tiny target with an exit head for its first layer (a reduced draft vocabulary)."""
+    root = tmp_path_factory.mktemp("exit")
+    return {arch: save_with_exit_head(model_sets[arch].target, root / arch, seed=500 + i)
+            for i, arch in enumerate(ARCHS)}

@@ -120,3 +120,28 @@ def save_eagle_head(out: Path, seed: int, hidden: int = 64, draft_vocab: int | N
         head.set_draft_vocab(torch.cat([torch.arange(0, VOCAB, 2), torch.arange(1, VOCAB, 2)])[:draft_vocab])
     save_head(head.eval(), out)
     return head
+
+
+def save_with_exit_head(target: Path, out: Path, seed: int, layers: int = 1, draft_vocab: int = VOCAB - 20,
+                        noise: float = 0.5) -> Path:
+    """``target``'s files copied to ``out`` with an exit head in ``out/exit_head``: the target's own LM head rows
+    for a reduced vocabulary (even ids, then odd ones) plus noise, so its drafts are often, not always, the
+    early exit's through the full head."""
+    import shutil
+
+    from engine.speculative import exit_head
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in target.iterdir():
+        if f.is_file():
+            shutil.copy(f, out / f.name)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    weight = model.get_output_embeddings().weight
+    torch.manual_seed(seed)
+    head = exit_head.ExitHead(weight.shape[1], weight.shape[0], draft_vocab, layers)
+    head.set_draft_vocab(torch.cat([torch.arange(0, VOCAB, 2), torch.arange(1, VOCAB, 2)])[:draft_vocab])
+    with torch.no_grad():
+        rows = weight[head.draft_ids()]
+        head.lm_head.weight.copy_(rows + noise * rows.std() * torch.randn_like(rows))
+    exit_head.save(head, out / exit_head.DIR_NAME)
+    return out

@@ -144,15 +144,19 @@ def test_tokens_already_on_the_device_feed_the_bucket_like_host_tokens(device, m
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
 CASES = [("llama", "draft_model", 4), ("mistral", "hybrid", None), ("gpt2", "ngram", 4), ("gemma", "none", None),
-         ("qwen3", "draft_model", None), ("qwen2", "self", 4), ("llama", "self", None)]
+         ("qwen3", "draft_model", None), ("qwen2", "self", 4), ("llama", "self", None), ("gpt2", "self+exit", 4)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("arch", "method", "k"), CASES, ids=[f"{a}-{m}-k{k}" for a, m, k in CASES])
-def test_greedy_output_in_buckets_equals_the_target_alone(arch, method, k, device, model_sets, tokenizer_dir):
+def test_greedy_output_in_buckets_equals_the_target_alone(arch, method, k, device, model_sets, exit_targets,
+                                                          tokenizer_dir):
+    """"self+exit": the early exit through a trained exit head (engine.speculative.exit_head)."""
     ms = model_sets[arch]
-    llm = LLM(model=str(ms.target), draft_model=str(ms.draft) if method in ("draft_model", "hybrid") else None,
-              draft_layers=1 if method == "self" else None, speculative_method=method, num_speculative_tokens=k,
+    llm = LLM(model=str(exit_targets[arch] if method == "self+exit" else ms.target),
+              draft_model=str(ms.draft) if method in ("draft_model", "hybrid") else None,
+              draft_layers=1 if method.startswith("self") else None, speculative_method=method.split("+")[0],
+              num_speculative_tokens=k,
               dtype="float32", device=device, block_size=BLOCK, max_num_seqs=8, cuda_graphs=True)
     ref = Reference(ms.target)
     prompts = prompts_for(tokenizer_dir)

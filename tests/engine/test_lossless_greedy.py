@@ -48,23 +48,26 @@ METHODS = {
     "hybrid": dict(draft=True),
     "self": dict(draft_layers=1),
     "hybrid+self": dict(draft=True, draft_layers=1),
+    "self+exit": dict(exit=True),  # the first layer drafting through a trained exit head (a reduced vocabulary)
     "eagle": dict(eagle=True),
     "hybrid+eagle": dict(eagle=True),  # an EAGLE-3 head beside prompt lookup
 }
 
 
-# The hybrid with an EAGLE head at k = 4 and adaptive only (the "eagle" cases cover the head at every k).
-CASES = [(m, k) for m in METHODS for k in (1, 4, 8, None) if m != "hybrid+eagle" or k in (4, None)]
+# The combinations at k = 4 and adaptive only, for the suite's time: the "self" and "eagle" cases cover the early
+# exit and the head at every k.
+CASES = [(m, k) for m in METHODS for k in (1, 4, 8, None) if "+" not in m or k in (4, None)]
 
 
 @pytest.mark.parametrize(("method", "k"), CASES, ids=lambda v: v if isinstance(v, str) else
                          f"k={v if v is not None else 'adaptive'}")
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_speculation_equals_target_alone(arch, method, k, model_sets, eagle_heads, references, tokenizer_dir):
+def test_greedy_speculation_equals_target_alone(arch, method, k, model_sets, eagle_heads, exit_targets, references,
+                                                tokenizer_dir):
     ms = model_sets[arch]
     sources = METHODS[method]
     llm = LLM(
-        model=str(ms.target),
+        model=str(exit_targets[arch] if sources.get("exit") else ms.target),
         draft_model=str(eagle_heads[arch]) if sources.get("eagle") else str(ms.draft) if sources.get("draft") else None,
         draft_layers=sources.get("draft_layers"),
         speculative_method=method.split("+")[0],

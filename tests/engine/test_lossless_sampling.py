@@ -58,12 +58,29 @@ def _peaky_head(out: Path, seed: int) -> None:
     save_head(head, out)
 
 
+def _with_exit_head(target: Path, out: Path) -> None:
+    """The target with an exit head for its first layer over 6 of its 8 tokens (q = 0 at the other two): its
+    own LM head rows for them, scaled down so that q is flatter than p."""
+    import shutil
+
+    from engine.speculative import exit_head
+
+    shutil.copytree(target, out)
+    rows = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).lm_head.weight
+    head = exit_head.ExitHead(32, V, 6, 1)
+    head.set_draft_vocab(torch.tensor([0, 1, 3, 4, 6, 7]))
+    with torch.no_grad():
+        head.lm_head.weight.copy_(0.1 * rows[head.draft_ids()])
+    exit_head.save(head, out / exit_head.DIR_NAME)
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("vocab8")
     _peaky_model(root / "target", seed=11)
     _peaky_model(root / "draft", seed=12)
     _peaky_head(root / "eagle", seed=13)
+    _with_exit_head(root / "target", root / "target-exit")
     return root / "target", root / "draft"
 
 
@@ -141,9 +158,10 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
 
 
 # Every source under every setting; the hybrid with an EAGLE head (whose own q rows the "eagle" cases cover)
-# at temperature 1 only, to keep the suite's time.
+# and the early exit through an exit head (whose reduced vocabulary they cover too) at temperature 1 only, to
+# keep the suite's time.
 CASES = [(m, s) for m in ("draft_model", "ngram", "hybrid", "self", "hybrid+self", "eagle") for s in SETTINGS]
-CASES.append(("hybrid+eagle", "temperature=1"))
+CASES += [("hybrid+eagle", "temperature=1"), ("self+exit", "temperature=1")]
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "seeded"])
@@ -151,14 +169,16 @@ CASES.append(("hybrid+eagle", "temperature=1"))
 def test_sampled_tokens_follow_the_target_distribution(method, setting, seeded, pair):
     """"self": the target's first layer drafts; "hybrid+self": the draft model's and the early layers' real
     q rows and the lookup's one-hot ones side by side in the same steps; "eagle": an EAGLE-3 head over a
-    reduced vocabulary (q = 0 at two tokens), "hybrid+eagle" beside the lookup."""
+    reduced vocabulary (q = 0 at two tokens), "hybrid+eagle" beside the lookup; "self+exit": the first layer
+    through an exit head over 6 tokens."""
     target, draft = pair
     params = SETTINGS[setting]
     if method.endswith("eagle"):
         draft = draft.parent / "eagle"
     llm = LLM(
-        model=str(target), draft_model=str(draft) if method not in ("ngram", "self") else None,
-        draft_layers=1 if method.endswith("self") else None, speculative_method=method.split("+")[0],
+        model=str(target.parent / "target-exit" if method == "self+exit" else target),
+        draft_model=str(draft) if method.split("+")[0] not in ("ngram", "self") else None,
+        draft_layers=1 if "self" in method else None, speculative_method=method.split("+")[0],
         num_speculative_tokens=3, dtype="float32", device="cpu", max_num_seqs=512, max_num_batched_tokens=4096,
         seed=1234,
     )

@@ -3,9 +3,8 @@ from __future__ import annotations
 import json
 import logging
 
-import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from engine.speculative.eagle_head import Eagle3Head, load_head
 from recipe import draft_vocab
@@ -15,11 +14,8 @@ from recipe.eagle import EagleSetup, default_aux_layers, eagle_config, train_eag
 from recipe.eagle_ttt import ttt_forward, ttt_mask
 from recipe.train import TrainConfig
 from server.cli import main
-from tests.tiny_models import CORPUS, VOCAB
-
-TARGET = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=128, eos_token_id=0, bos_token_id=1,
-                     pad_token_id=2, tie_word_embeddings=False)
+from tests.recipe.conftest import TARGET
+from tests.tiny_models import VOCAB
 
 
 def _head(seed: int = 0, draft: int = 40) -> tuple[Eagle3Head, LlamaForCausalLM]:
@@ -29,29 +25,6 @@ def _head(seed: int = 0, draft: int = 40) -> tuple[Eagle3Head, LlamaForCausalLM]
     head.share_embeddings(target.get_input_embeddings())
     head.config._attn_implementation = "sdpa"  # head.forward with no mask: causal attention
     return head.eval(), target
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory, tokenizer_dir):
-    """A random target whose next-token distributions are peaked (a random one is near uniform: nothing to
-    learn beyond its entropy)."""
-    out = tmp_path_factory.mktemp("eagle-target")
-    torch.manual_seed(7)
-    model = LlamaForCausalLM(TARGET).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def corpus_dirs(tmp_path_factory):
-    train, held = tmp_path_factory.mktemp("eagle-train"), tmp_path_factory.mktemp("eagle-held")
-    for i, text in enumerate(CORPUS * 3):
-        (train / f"f{i}.py").write_text(text * 4)
-    (held / "h.py").write_text("".join(CORPUS) * 3)
-    return train, held
 
 
 def test_ttt_step_zero_is_the_heads_own_causal_forward():
