@@ -14,14 +14,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig
+from transformers import LlamaConfig, PretrainedConfig
 
 from engine.speculative.eagle_head import Eagle3Head, aux_layer_ids, save_head
-from recipe import draft_vocab
 from recipe.corpus import CorpusFile
-from recipe.data import eval_windows, random_windows, token_stream
+from recipe.data import random_windows
 from recipe.distill import param_count, pick_device
 from recipe.eagle_ttt import STEP_DECAY, ttt_agreement, ttt_forward, ttt_losses, weighted_loss
+from recipe.frozen_target import choose_draft_vocab, load_frozen, tokenize
 from recipe.train import TrainConfig, TrainResult, train
 
 logger = logging.getLogger("recipe")
@@ -104,38 +104,19 @@ def train_eagle(
     trust_remote_code: bool = False,
 ) -> TrainResult:
     dev = pick_device(device)
-    tokenizer = AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
-    saved_dtype = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code).get_text_config().dtype
-    # fp32 on the CPU, where bf16 matmuls are slower (recipe/distill.py); bf16 on CUDA
-    target = AutoModelForCausalLM.from_pretrained(
-        target_path, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
-        trust_remote_code=trust_remote_code,
-    ).to(dev).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
+    tokenizer, target, saved_dtype = load_frozen(target_path, dev, trust_remote_code)
     text = target.config.get_text_config()
     vocab, num_layers = text.vocab_size, text.num_hidden_layers
     aux = setup.aux_layers or default_aux_layers(num_layers)
     seq_len = min(setup.seq_len, getattr(text, "max_position_embeddings", setup.seq_len))
 
     t0 = time.perf_counter()
-    stream = token_stream(corpus, tokenizer)
-    eval_split = "held_out" if held_out else "train"
-    eval_stream = token_stream(held_out, tokenizer) if held_out else stream
-    windows = eval_windows(eval_stream, seq_len - 1, max_windows=setup.eval_windows).to(dev)  # [W, L]
-    if windows.shape[0] == 0:
-        raise ValueError(f"the {eval_split} split has {eval_stream.numel()} tokens, fewer than one window of {seq_len}")
+    data = tokenize(corpus, held_out, tokenizer, seq_len, setup.eval_windows, dev)
+    stream, eval_split, windows = data.stream, data.eval_split, data.windows
     logger.info("eagle: %d corpus files, %d tokens; %d %s eval windows (tokenized in %.1fs)", len(corpus),
                 stream.numel(), windows.shape[0], eval_split, time.perf_counter() - t0)
-
-    # The draft vocabulary: the corpus's most frequent tokens, sized by coverage of the target's eval argmaxes.
-    argmaxes = torch.cat([target_pass(target, windows[i : i + 8], aux)[2].argmax(-1).cpu()
-                          for i in range(0, windows.shape[0], 8)])
-    ranking = draft_vocab.frequency_ranking(stream, vocab)
-    size, table = draft_vocab.choose(ranking, argmaxes, setup.draft_vocab)
-    draft_ids = ranking[:size].sort().values.to(dev)  # [V_draft] sorted target ids (d2t's order)
-    logger.info("eagle: draft vocabulary %d of %d; coverage of %s target argmaxes: %s", size, vocab, eval_split,
-                "  ".join(f"{n}: {c:.4f}" for n, c in table.items()))
+    size, table, draft_ids, covered = choose_draft_vocab(lambda w: target_pass(target, w, aux)[2], data, vocab,
+                                                         setup.draft_vocab, "eagle")
 
     torch.manual_seed(setup.seed)
     config = eagle_config(target.config, size, aux)
@@ -184,7 +165,7 @@ def train_eagle(
         "target": str(target_path), "method": "eagle3", "aux_layers": list(aux), "ttt_steps": setup.ttt_steps,
         "step_weights": [round(STEP_DECAY**s, 6) for s in range(setup.ttt_steps)],
         "draft_vocab_size": size, "vocab_size": vocab, "draft_vocab_from": "corpus token frequency",
-        "draft_vocab_coverage": {"split": eval_split, "tokens": argmaxes.numel(),
+        "draft_vocab_coverage": {"split": eval_split, "tokens": covered,
                                  "by_size": {str(n): round(c, 4) for n, c in table.items()}},
         "train": asdict(cfg), "seq_len": seq_len, "batch_size": setup.batch_size, "seed": setup.seed,
         "device": str(dev), "threads": torch.get_num_threads(), "params": param_count(head),
@@ -193,7 +174,7 @@ def train_eagle(
         "loss_curve": _curve(history, cfg.log_every),
         "eval_split": eval_split, "eval_windows": list(windows.shape), "agreement": evals,
         "corpus": {"name": corpus_name, "files": len(corpus), "tokens": stream.numel(),
-                   "held_out_files": len(held_out or []), "held_out_tokens": eval_stream.numel() if held_out else 0},
+                   "held_out_files": len(held_out or []), "held_out_tokens": data.eval_tokens if held_out else 0},
     }
     save(head, out, record, saved_dtype)
     return result

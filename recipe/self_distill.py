@@ -24,15 +24,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from engine.early_exit import decoder_layers, truncate
 from engine.speculative import exit_head
 from engine.speculative.exit_head import ExitHead
-from recipe import draft_vocab
 from recipe.corpus import CorpusFile
-from recipe.data import eval_windows, random_windows, token_stream
+from recipe.data import random_windows
 from recipe.distill import param_count, pick_device
+from recipe.frozen_target import choose_draft_vocab, load_frozen, tokenize
 from recipe.train import TrainConfig, TrainResult, train
 
 logger = logging.getLogger("recipe")
@@ -128,14 +128,7 @@ def train_exit(
     """Train the exit head (and with setup.tune_layers the first layers) and write OUT (see the module doc).
     ``byte_lengths`` [V] (bytes each token spells) adds held-out bits per byte to the quality record."""
     dev = pick_device(device)
-    tokenizer = AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
-    saved_dtype = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code).get_text_config().dtype
-    target = AutoModelForCausalLM.from_pretrained(
-        target_path, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
-        trust_remote_code=trust_remote_code,
-    ).to(dev).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
+    tokenizer, target, saved_dtype = load_frozen(target_path, dev, trust_remote_code)
     text = target.config.get_text_config()
     vocab, num_layers, hidden = text.vocab_size, text.num_hidden_layers, text.hidden_size
     layers = setup.exit_layers or max(1, num_layers // 3)
@@ -144,21 +137,12 @@ def train_exit(
                          f"got {layers}")
     seq_len = min(setup.seq_len, getattr(text, "max_position_embeddings", setup.seq_len))
 
-    stream = token_stream(corpus, tokenizer)
-    eval_split = "held_out" if held_out else "train"
-    eval_stream = token_stream(held_out, tokenizer) if held_out else stream
-    windows = eval_windows(eval_stream, seq_len - 1, max_windows=setup.eval_windows).to(dev)  # [W, L]
-    if windows.shape[0] == 0:
-        raise ValueError(f"the {eval_split} split has {eval_stream.numel()} tokens, fewer than one window of {seq_len}")
-    with torch.no_grad():
-        argmaxes = torch.cat([target(input_ids=windows[i : i + 8]).logits.argmax(-1).cpu()
-                              for i in range(0, windows.shape[0], 8)])
-    ranking = draft_vocab.frequency_ranking(stream, vocab)
-    size, table = draft_vocab.choose(ranking, argmaxes, setup.draft_vocab)
-    draft_ids = ranking[:size].sort().values.to(dev)  # [N]
-    logger.info("self: %d corpus files, %d tokens; draft vocabulary %d of %d; coverage of %s target argmaxes: %s",
-                len(corpus), stream.numel(), size, vocab, eval_split,
-                "  ".join(f"{n}: {c:.4f}" for n, c in table.items()))
+    data = tokenize(corpus, held_out, tokenizer, seq_len, setup.eval_windows, dev)
+    stream, eval_split, windows = data.stream, data.eval_split, data.windows
+    logger.info("self: %d corpus files, %d tokens; %d %s eval windows", len(corpus), stream.numel(),
+                windows.shape[0], eval_split)
+    size, table, draft_ids, covered = choose_draft_vocab(lambda w: target(input_ids=w).logits, data, vocab,
+                                                         setup.draft_vocab, "self")
 
     torch.manual_seed(setup.seed)
     head = ExitHead(hidden, vocab, size, layers).to(dev)
@@ -224,7 +208,7 @@ def train_exit(
         "target": str(target_path), "method": "self", "exit_layers": layers, "num_layers": num_layers,
         "tune_layers": setup.tune_layers, "quality_weight": setup.quality_weight if setup.tune_layers else None,
         "trained": trained, "draft_vocab_size": size, "vocab_size": vocab,
-        "draft_vocab_coverage": {"split": eval_split, "tokens": argmaxes.numel(),
+        "draft_vocab_coverage": {"split": eval_split, "tokens": covered,
                                  "by_size": {str(n): round(c, 4) for n, c in table.items()}},
         "train": asdict(cfg), "seq_len": seq_len, "batch_size": setup.batch_size, "seed": setup.seed,
         "device": str(dev), "threads": torch.get_num_threads(), "head_params": param_count(head),

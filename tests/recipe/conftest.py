@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -34,3 +36,17 @@ def corpus_dirs(tmp_path_factory):
         (train / f"f{i}.py").write_text(text * 4)
     (held / "h.py").write_text("".join(CORPUS) * 3)
     return train, held
+
+
+def distill_on_one_thread(argv: list[str], caplog: pytest.LogCaptureFixture, what: str) -> list[str]:
+    """Runs `specd distill ARGV --threads 1` (restoring torch's thread count after) and returns its progress
+    lines for ``what`` (the lines with a tokens/s figure); asserts it exits 0."""
+    from server.cli import main
+
+    threads = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.INFO, logger="recipe"):
+            assert main([*argv, "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return [r.getMessage() for r in caplog.records if f"{what} step" in r.getMessage() and "tok/s" in r.getMessage()]

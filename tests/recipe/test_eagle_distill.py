@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-import logging
 
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
@@ -14,7 +13,7 @@ from recipe.eagle import EagleSetup, default_aux_layers, eagle_config, train_eag
 from recipe.eagle_ttt import ttt_forward, ttt_mask
 from recipe.train import TrainConfig
 from server.cli import main
-from tests.recipe.conftest import TARGET
+from tests.recipe.conftest import TARGET, distill_on_one_thread
 from tests.tiny_models import VOCAB
 
 
@@ -116,14 +115,7 @@ def test_distill_cli_method_eagle_runs_end_to_end(tiny_target, corpus_dirs, tmp_
     argv = ["distill", "--method", "eagle", "--target", str(tiny_target), "--out", str(tmp_path), "--corpus",
             str(corpus_dirs[0]), "--steps", "4", "--seq-len", "24", "--batch-size", "2", "--log-every", "2",
             "--ttt-steps", "2", "--device", "cpu"]
-    threads = torch.get_num_threads()
-    try:
-        with caplog.at_level(logging.INFO, logger="recipe"):
-            assert main([*argv, "--threads", "1"]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    steps = [r.getMessage() for r in caplog.records if "eagle step" in r.getMessage() and "tok/s" in r.getMessage()]
-    assert len(steps) == 2
+    assert len(distill_on_one_thread(argv, caplog, "eagle")) == 2
     record = json.loads((tmp_path / "training.json").read_text())
     assert record["ttt_steps"] == 2 and record["draft_vocab_size"] == VOCAB  # tiny vocabulary: all of it
     assert record["eval_split"] == "train"  # a user corpus has no held-out split

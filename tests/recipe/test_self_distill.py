@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +14,7 @@ from recipe.corpus import text_files
 from recipe.self_distill import SelfSetup, exit_loss, train_exit
 from recipe.train import TrainConfig
 from server.cli import main
-from tests.recipe.conftest import TARGET
+from tests.recipe.conftest import TARGET, distill_on_one_thread
 from tests.tiny_models import VOCAB
 
 
@@ -84,13 +83,7 @@ def test_distill_cli_method_self_runs_end_to_end_and_refuses_flags_of_other_meth
     argv = ["distill", "--method", "self", "--target", str(tiny_target), "--out", str(tmp_path), "--corpus",
             str(corpus_dirs[0]), "--steps", "4", "--seq-len", "24", "--batch-size", "2", "--log-every", "2",
             "--draft-layers", "2", "--device", "cpu"]
-    threads = torch.get_num_threads()
-    try:
-        with caplog.at_level(logging.INFO, logger="recipe"):
-            assert main([*argv, "--threads", "1"]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    assert len([r for r in caplog.records if "self step" in r.getMessage() and "tok/s" in r.getMessage()]) == 2
+    assert len(distill_on_one_thread(argv, caplog, "self")) == 2
     record = json.loads((tmp_path / exit_head.DIR_NAME / "training.json").read_text())
     assert record["exit_layers"] == 2 and record["eval_split"] == "train"
     assert exit_head.load(tmp_path / exit_head.DIR_NAME, TARGET.hidden_size, VOCAB).exit_layers == 2
