@@ -26,7 +26,8 @@ class EngineConfig:
     model: str
     draft_model: str | None = None
     # Self-speculation: the target's first draft_layers layers, final norm and LM head draft (method "self", or
-    # "hybrid" beside the lookup and any draft model). None with method "self": a third of the layers.
+    # "hybrid" beside the lookup and any draft model). None with method "self": the depth of the checkpoint's exit
+    # head, else a third of the layers.
     draft_layers: int | None = None
     # Draft through the target checkpoint's trained exit head (MODEL/exit_head/) when it is for draft_layers;
     # False: through the target's own final norm and LM head (engine.speculative.exit_head).

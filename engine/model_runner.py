@@ -153,8 +153,8 @@ class ModelRunner:
             name = next(n for n, m in runner.model.named_children() if m is head)
             runner.model._modules[name] = exit_head.to(head.weight.device, target.dtype)
         runner._keep = None
-        # The head is the target's own module: both runners' row selections hook it, each a no-op while its
-        # own runner is not the one running.
+        # The head is the target's own module (unless an exit head replaced it): both runners' row selections
+        # hook it, each a no-op while its own runner is not the one running.
         runner.model.get_output_embeddings().register_forward_pre_hook(runner._select_rows)
         runner.vocab_size, runner.max_position_embeddings = target.vocab_size, target.max_position_embeddings
         runner.layer_devices = target.layer_devices[:num_layers]

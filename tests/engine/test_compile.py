@@ -3,33 +3,48 @@ prefill chunks stay eager, and a compiled forward that fails falls back to eager
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.model_runner import ForwardBatch
-from tests.engine.lossless import MAX_NEW, Reference, assert_same_as_target, prompts_for
+from tests.engine.lossless import MAX_NEW, Reference, assert_same_as_target
 from tests.engine.test_lossless_sampling import chi_square_p, engine_samples, exact_joint
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+# Prompts over the 8-token vocabulary of the sampling tests' peaky pair.
+PROMPTS = [[1, 2, 3, 1, 2], [7, 0, 4], [5, 5, 6, 1, 0, 2, 3], [4]]
 
 
 @pytest.fixture(scope="module")
-def compiled_llm(model_sets) -> LLM:
-    ms = model_sets["llama"]
-    return LLM(model=str(ms.target), draft_model=str(ms.draft), speculative_method="draft_model",
-               num_speculative_tokens=4, dtype="float32", device="cpu", compile=True)
+def pair8(tmp_path_factory) -> Path:
+    from tests.engine.test_lossless_sampling import _peaky_model
+
+    root = tmp_path_factory.mktemp("vocab8c")
+    _peaky_model(root / "target", seed=11)
+    _peaky_model(root / "draft", seed=12)
+    return root
+
+
+@pytest.fixture(scope="module")
+def compiled_llm(pair8) -> LLM:
+    """One compiled engine for every test here: a cold inductor compile of a target and a draft costs ~100 s on
+    CI's 2 cores (a fresh checkout misses the compile cache), so the greedy and sampling checks share it."""
+    return LLM(model=str(pair8 / "target"), draft_model=str(pair8 / "draft"), speculative_method="draft_model",
+               num_speculative_tokens=3, dtype="float32", device="cpu", max_num_seqs=512,
+               max_num_batched_tokens=4096, seed=1234, compile=True)
 
 
 def runners(llm: LLM):
     return [llm.engine.target, *(d.runner for d in llm.engine.drafting.drafters)]
 
 
-def test_compiled_speculation_is_lossless_and_really_compiled(compiled_llm, model_sets, tokenizer_dir):
-    ref = Reference(model_sets["llama"].target)
+def test_compiled_speculation_is_lossless_and_really_compiled(compiled_llm, pair8):
+    ref = Reference(pair8 / "target", eos=7)
     before = [r.compiled.calls for r in runners(compiled_llm)]
-    prompts = prompts_for(tokenizer_dir)
-    for p, out in zip(prompts, compiled_llm.generate(prompts, GREEDY)):
+    for p, out in zip(PROMPTS, compiled_llm.generate(PROMPTS, GREEDY)):
         assert_same_as_target(ref, p, out.token_ids, "compiled target and draft")
     for runner, b in zip(runners(compiled_llm), before):
         assert runner.compiled.calls > b and not runner.compiled.failed, f"{runner.name} never ran compiled"
@@ -42,7 +57,7 @@ def test_a_layout_the_warm_up_did_not_compile_runs_eagerly_instead_of_stalling_t
 
     runner = compiled_llm.engine.target
     assert runner.compiled.frozen
-    batch = ForwardBatch([[7, 8], [9], [10, 11, 12]], [20, 30, 10], [[1, 2], [3, 4, 5], [6]], [1, 1, 3])
+    batch = ForwardBatch([[7, 0], [1], [2, 3, 4]], [20, 30, 10], [[1, 2], [3, 4, 5], [6]], [1, 1, 3])
     frames = counters["frames"]["ok"]
     got = runner.forward(batch)
     assert counters["frames"]["ok"] == frames, "a layout was compiled while serving"
@@ -54,44 +69,35 @@ def test_a_layout_the_warm_up_did_not_compile_runs_eagerly_instead_of_stalling_t
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_a_long_prefill_chunk_runs_eagerly_with_the_same_logits(compiled_llm, model_sets):
+def test_a_long_prefill_chunk_runs_eagerly_with_the_same_logits(compiled_llm, pair8):
     runner = compiled_llm.engine.target
     calls = runner.compiled.calls
-    tokens = list(range(5, 45))  # 40 tokens: longer than the short-query layouts
+    tokens = [i * 5 % 8 for i in range(40)]  # 40 tokens: longer than the short-query layouts
     got = runner.forward(ForwardBatch([tokens], [0], [list(range(3))], [len(tokens)]))
     assert runner.compiled.calls == calls
-    ref = Reference(model_sets["llama"].target)
+    ref = Reference(pair8 / "target", eos=7)
     with torch.no_grad():
         want = ref.model(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_a_failing_compiled_forward_falls_back_to_eager_with_the_same_output(model_sets, tokenizer_dir, caplog):
-    ms = model_sets["llama"]
-    llm = LLM(model=str(ms.target), speculative_method="none", dtype="float32", device="cpu", compile=True)
+def test_a_failing_compiled_forward_falls_back_to_eager_with_the_same_output(compiled_llm, pair8, caplog):
+    # the target's graphs are the module engine's, so its warm-up finds them in the compile cache
+    llm = LLM(model=str(pair8 / "target"), speculative_method="none", dtype="float32", device="cpu", compile=True)
     compiled = llm.engine.target.compiled
 
     def broken(**inputs):  # noqa: ANN003, ANN202
         raise RuntimeError("an inductor failure")
 
     compiled._compiled = broken
-    prompts = prompts_for(tokenizer_dir)[:3]
-    outs = llm.generate(prompts, GREEDY)
+    outs = llm.generate(PROMPTS[:3], GREEDY)
     assert compiled.failed and "running it eagerly" in caplog.text
-    ref = Reference(ms.target)
-    for p, out in zip(prompts, outs):
+    ref = Reference(pair8 / "target", eos=7)
+    for p, out in zip(PROMPTS[:3], outs):
         assert_same_as_target(ref, p, out.token_ids, "after the fallback")
 
 
-def test_compiled_sampling_follows_the_target_distribution(tmp_path_factory):
-    from tests.engine.test_lossless_sampling import _peaky_model
-
-    root = tmp_path_factory.mktemp("vocab8c")
-    _peaky_model(root / "target", seed=11)
-    _peaky_model(root / "draft", seed=12)
-    llm = LLM(model=str(root / "target"), draft_model=str(root / "draft"), speculative_method="draft_model",
-              num_speculative_tokens=3, dtype="float32", device="cpu", max_num_seqs=512,
-              max_num_batched_tokens=4096, seed=1234, compile=True)
-    counts = engine_samples(llm, temperature=1.0)
-    assert all(r.compiled.calls > 0 and not r.compiled.failed for r in runners(llm))
-    assert chi_square_p(counts, exact_joint(root / "target", temperature=1.0)) > 1e-3
+def test_compiled_sampling_follows_the_target_distribution(compiled_llm, pair8):
+    counts = engine_samples(compiled_llm, temperature=1.0)
+    assert all(r.compiled.calls > 0 and not r.compiled.failed for r in runners(compiled_llm))
+    assert chi_square_p(counts, exact_joint(pair8 / "target", temperature=1.0)) > 1e-3
