@@ -33,6 +33,7 @@ from recipe.corpus import CorpusFile
 from recipe.data import random_windows
 from recipe.distill import param_count, pick_device
 from recipe.frozen_target import choose_draft_vocab, load_frozen, tokenize
+from recipe.objectives import bits_per_byte
 from recipe.train import TrainConfig, TrainResult, train
 
 logger = logging.getLogger("recipe")
@@ -154,7 +155,7 @@ def train_exit(
     if setup.tune_layers:
         original = copy.deepcopy(target).eval()  # the frozen reference the quality term holds the target to
         early.layers.requires_grad_(True)
-    reference = original or target
+    reference = original if original is not None else target
     # by the target's own names, and the head's under exit_head/
     trained = ([f"exit_head.{n}" for n, _ in head.named_parameters()]
                + [n for n, p in target.named_parameters() if p.requires_grad])
@@ -168,8 +169,6 @@ def train_exit(
     def measure(when: str) -> None:
         quality[f"bits_per_token_{when}"] = round(bits_per_token(target, windows), 5)
         if byte_lengths is not None:
-            from recipe.objectives import bits_per_byte
-
             quality[f"bits_per_byte_{when}"] = round(bits_per_byte(target, windows, byte_lengths.to(dev)), 5)
 
     if setup.tune_layers:
