@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, GenerationConfig
@@ -84,20 +85,16 @@ def use_paged_kernel(config: EngineConfig, target: ModelRunner) -> bool:
     return config.paged_attention == "flex"
 
 
-def default_draft_layers(target: ModelRunner, model: str = "") -> int:
-    """Self-speculation without --draft-layers: the depth the checkpoint's exit head was trained for, else a third
-    of the target's layers, at least one."""
-    path = exit_head.find(model) if model else None
-    if path is not None:
-        return exit_head.exit_layers(path)
+def default_draft_layers(target: ModelRunner, head: Path | None = None) -> int:
+    """Self-speculation without --draft-layers: the depth the checkpoint's exit head (at ``head``) was trained for,
+    else a third of the target's layers, at least one."""
+    if head is not None:
+        return exit_head.exit_layers(head)
     return max(1, len(target.layer_shapes) // 3)
 
 
-def _exit_head(model: str, target: ModelRunner, layers: int) -> ExitHead | None:
+def _exit_head(path: Path, target: ModelRunner, layers: int) -> ExitHead | None:
     """The target checkpoint's trained exit head when it was trained for this depth (engine.speculative.exit_head)."""
-    path = exit_head.find(model)
-    if path is None:
-        return None
     text = target.model.config.get_text_config()
     head = exit_head.load(path, text.hidden_size, target.vocab_size)
     if head.exit_layers != layers:
@@ -167,9 +164,9 @@ def load(config: EngineConfig) -> Loaded:
         draft.allocate_cache(num_blocks, config.block_size)
     early_exit = None
     if config.uses_self_draft:
-        layers = config.draft_layers if config.draft_layers is not None else default_draft_layers(
-            target, config.model if config.exit_head else "")
-        head = _exit_head(config.model, target, layers) if config.exit_head else None
+        head_path = exit_head.find(config.model) if config.exit_head else None
+        layers = config.draft_layers if config.draft_layers is not None else default_draft_layers(target, head_path)
+        head = _exit_head(head_path, target, layers) if head_path is not None else None
         early_exit = ModelRunner.early_exit(target, layers, head)
     for runner in (target, draft, early_exit):
         if isinstance(runner, ModelRunner):
