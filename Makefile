@@ -23,7 +23,7 @@ serve: install
 
 test: install
 	$(PY) -m ruff check engine server recipe tests benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 lint: install
 	$(PY) -m ruff check engine server recipe tests benchmarks

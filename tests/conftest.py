@@ -21,6 +21,13 @@ from tests.tiny_models import (
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # The tiny models' forwards are Python-bound and run on one core; with several workers each keeps its
+    # share of the cores, since OpenMP threads of two workers spinning on the same cores slow both.
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 
 @dataclass(frozen=True)
 class ModelSet:

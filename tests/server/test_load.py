@@ -56,6 +56,7 @@ def test_300_requests_at_concurrency_64_with_a_third_dropped_mid_stream_lose_not
     # Prompts whose greedy output is long enough that two events (at most 1 + 5 tokens) cannot finish it.
     prompts = [p for p in prompts_for(tokenizer_dir) if len(ref.greedy(p, MAX_TOKENS)) > 8]
     disconnects = live.metric("specd:request_failure_total", model_name=MODEL, reason="client_disconnect")
+    finished_before = live.metric("specd:request_success_total", model_name=MODEL)
 
     def request(http, i: int):
         body = {"model": MODEL, "prompt": prompts[i % len(prompts)], "max_tokens": MAX_TOKENS, "temperature": 0.0}
@@ -78,9 +79,13 @@ def test_300_requests_at_concurrency_64_with_a_third_dropped_mid_stream_lose_not
             p = prompts[i % len(prompts)]
             assert r.error is None and r.finish_reason in ("stop", "length"), r
             assert_equal_unless_near_tie(ref, p, r.token_ids, ref.greedy(p, MAX_TOKENS), f"request {i}")
-    assert_idle_and_lossless(live, ref, tokenizer_dir)
+    live.wait_until(lambda: gauges(live) == (0.0, 0.0, 0.0), timeout=10, what="/metrics to read an idle engine")
     aborted = live.metric("specd:request_failure_total", model_name=MODEL, reason="client_disconnect") - disconnects
-    assert aborted == len(dropped), "each dropped stream was aborted, and only those"
+    finished = live.metric("specd:request_success_total", model_name=MODEL) - finished_before
+    # A dropped stream whose last tokens were generated before the server saw the disconnect finishes
+    # normally (a busy machine makes that likelier): every request ends exactly once, and only drops abort.
+    assert finished + aborted == REQUESTS and 0 < aborted <= len(dropped), (finished, aborted, len(dropped))
+    assert_idle_and_lossless(live, ref, tokenizer_dir)
     with capsys.disabled():
         print(f"\nload: {REQUESTS} requests at concurrency {CONCURRENCY}, {len(dropped)} dropped mid-stream, "
               f"{REQUESTS - len(dropped)} complete and correct, in {seconds:.1f} s")
