@@ -20,6 +20,7 @@ Systems, all on one machine, started by this process (servers on 127.0.0.1, gene
                           One slot per request of the largest concurrency, each with the pair's context
   llama.cpp none          the same without the draft
   specd adaptive compiled specd adaptive with --compile (only when named in --systems)
+  specd none compiled     specd none with --compile (only when named in --systems)
 Every system loads the same weights in the same dtype (float32 on CPU, bfloat16 on CUDA) with the
 process's default thread count (--threads for llama.cpp, whose own default is not that). Without a
 llama-server binary, or on a GPU, the llama.cpp systems are left out with a message.

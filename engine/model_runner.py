@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
-from engine import attention
+from engine import attention, small_linear
 from engine.compiled import CompiledForward, warm_up
 from engine.config import DeviceMap
 from engine.early_exit import decoder_layers, truncate
@@ -275,14 +275,17 @@ class ModelRunner:
     def warm_up_compiled(self, k_max: int) -> float:
         """Compile the layouts decode, verify and draft catch-up steps use, before any request: one
         sequence (its blocks in order or not) decoding, verifying k_max drafts or catching up, and two
-        sequences over a gathered cache, masked or not. Writes into blocks nobody owns yet. Returns the
-        seconds it took (0 without compile)."""
+        sequences over a gathered cache, masked or not, at most small_linear.SMALL_ROWS rows or more. Writes
+        into blocks nobody owns yet. Returns the seconds it took (0 without compile)."""
         if self.compiled is None:
             return 0.0
         assert self.cache is not None
         bs, n = self.cache.block_size, self.cache.num_blocks
-        ctx = max(2, min(40, (n // 2) * bs - k_max - 1))  # two sequences' worth of blocks, even in a small cache
-        need = -(-(ctx + k_max + 1) // bs)
+        # Two sequences of `big` rows are past small_linear's one-loop products: a batched step compiles that graph.
+        big = small_linear.SMALL_ROWS // 2 + 1
+        extra = max(k_max + 1, big)
+        ctx = max(2, min(40, (n // 2) * bs - extra))  # two sequences' worth of blocks, even in a small cache
+        need = -(-(ctx + extra) // bs)
         one, other = list(range(need)), list(range(2 * need - 1, need - 1, -1))
         # dynamo specialises on which of the layout's optional parts are present (a contiguous span, a mask,
         # a selection of logits rows): one layout per combination a step can bring, or the first request
@@ -291,7 +294,9 @@ class ModelRunner:
             ForwardBatch([[0]], [ctx], [table], [1])
             for table in (one, other)  # blocks in order (read as one span) or not (gathered)
         ] + [
-            ForwardBatch([[0] * (k_max + 1)], [ctx], [table], [k_max + 1]) for table in (one, other)
+            ForwardBatch([[0] * rows], [ctx], [table], [rows])
+            # past SMALL_ROWS, verifying fewer drafts than k_max is another graph
+            for rows in sorted({k_max + 1, min(k_max + 1, small_linear.SMALL_ROWS)}) for table in (one, other)
         ] + [
             ForwardBatch([[0] * 3], [ctx], [table], [1]) for table in (one, other)  # a catch-up: one row's logits
         ] + [
@@ -300,6 +305,7 @@ class ModelRunner:
             ForwardBatch([[0] * (k_max + 1), [0]], [ctx, ctx // 2], [one, other], [k_max + 1, 1]),
             ForwardBatch([[0] * (k_max + 1)] * 2, [ctx, ctx // 2], [one, other], [k_max + 1] * 2),  # all verifying
             ForwardBatch([[0] * 3, [0] * 2], [ctx, ctx // 2], [one, other], [1, 1]),
+            ForwardBatch([[0] * big] * 2, [ctx, ctx // 2], [one, other], [big] * 2),
         ]
         seconds = warm_up([lambda b=b: self.forward(b) for b in layouts], self.name)
         self.compiled.frozen = True

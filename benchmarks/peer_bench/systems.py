@@ -53,6 +53,7 @@ def systems(target: str, draft: str, device: str) -> list[System]:
                (*specd, "--draft-model", draft, "--speculative-method", "hybrid", "--compile"),
                speculative=True, default=False),
         System("specd none", "server", (*specd, "--speculative-method", "none")),
+        System("specd none compiled", "server", (*specd, "--speculative-method", "none", "--compile"), default=False),
         System("specd ngram", "server", (*specd, "--speculative-method", "ngram"), speculative=True),
         System("transformers serve", "server", ts),
         System("transformers serve --cb", "server", (*ts, "--continuous-batching")),
