@@ -118,22 +118,26 @@ def test_token_counters_equal_the_usage_returned_streamed_or_not_with_n_choices(
 
 
 def test_speculation_counters_agree_with_each_other(server):
+    # The server is the session's: other files' requests (other k among them) may have come before, so deltas.
+    server.wait_idle()
+    before = Scrape.of(server)
     client = server.client()
     client.completions.create(prompt="import os", max_tokens=40, extra_body={"ignore_eos": True}, **GREEDY)
     server.wait_idle()
-    s = Scrape.of(server)
-    drafts = s.value("specd:spec_decode_num_drafts_total", model_name=MODEL)
-    drafted = s.value("specd:spec_decode_num_draft_tokens_total", model_name=MODEL)
-    accepted = s.value("specd:spec_decode_num_accepted_tokens_total", model_name=MODEL)
+    after = Scrape.of(server)
+    drafts = delta(before, after, "specd:spec_decode_num_drafts_total", model_name=MODEL)
+    drafted = delta(before, after, "specd:spec_decode_num_draft_tokens_total", model_name=MODEL)
+    accepted = delta(before, after, "specd:spec_decode_num_accepted_tokens_total", model_name=MODEL)
     assert 0 < drafts <= drafted <= 4 * drafts, "k = 4"
     assert 0 <= accepted <= drafted
-    per_pos = s.by("specd:spec_decode_num_accepted_tokens_per_pos_total", "position")
-    counts = [per_pos[str(i)] for i in range(len(per_pos))]
-    assert len(counts) == 4 and sum(counts) == accepted
+    name = "specd:spec_decode_num_accepted_tokens_per_pos_total"
+    was, now = before.by(name, "position"), after.by(name, "position")
+    counts = [now[str(i)] - was.get(str(i), 0.0) for i in range(len(now))]
+    assert len(counts) >= 4 and not any(counts[4:]) and sum(counts) == accepted, counts
     assert counts == sorted(counts, reverse=True), "position i+1 is accepted only after position i"
     # One accepted-length observation per drafting sequence-step, each = accepted + 1.
-    assert s.value("specd:spec_decode_accepted_length_count", model_name=MODEL) == drafts
-    assert s.value("specd:spec_decode_accepted_length_sum", model_name=MODEL) == accepted + drafts
+    assert delta(before, after, "specd:spec_decode_accepted_length_count", model_name=MODEL) == drafts
+    assert delta(before, after, "specd:spec_decode_accepted_length_sum", model_name=MODEL) == accepted + drafts
 
 
 EXPORTED = [
