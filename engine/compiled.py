@@ -2,12 +2,12 @@
 
 Per-forward overhead (Python, dispatch, one kernel per small op), not arithmetic, is what a small
 step costs; inductor fuses the elementwise work of each layer and, with its C++ wrapper, calls the
-kernels without Python, and on CPU a one-row linear layer becomes a loop of its own
+kernels without Python, and on CPU a linear layer over a few rows becomes a loop of its own
 (engine.small_linear) rather than an MKL call. Shapes are dynamic (the context length grows every
-step, the batch and the draft count vary), so one graph serves every length; dynamo still specialises on the layout's
-branches (one query or several, a contiguous cache span or a gather), a handful of graphs, compiled
-at start-up by ``warm_up`` so that no request waits for them. Prefill chunks stay eager: they are
-long, so their overhead is small beside their arithmetic.
+step, the batch and the draft count vary), so one graph serves every length; dynamo still
+specialises on the layout's branches (one query or several, a contiguous cache span or a gather),
+a handful of graphs, compiled at start-up by ``warm_up`` so that no request waits for them. Prefill
+chunks stay eager: they are long, so their overhead is small beside their arithmetic.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class CompiledForward:
         self.name = name
         # The C++ wrapper drops the Python between kernels; CUDA's wrapper is Python (graphs are the lever there).
         options = {"cpp_wrapper": True} if next(model.parameters()).device.type == "cpu" else {}
-        small_linear.install(model)  # one-row products as fused loops rather than MKL calls (CPU, float32)
+        small_linear.install(model)  # few-row products as fused loops rather than MKL calls (CPU, float32)
         # dynamo counts recompilations per code object, and the target and the draft share their architecture's
         # forward: their warm-up layouts alone reach the default limit of 8, after which every new layout ran
         # eagerly (with a warning) for the rest of the process.

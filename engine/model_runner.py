@@ -275,13 +275,13 @@ class ModelRunner:
     def warm_up_compiled(self, k_max: int) -> float:
         """Compile the layouts decode, verify and draft catch-up steps use, before any request: one
         sequence (its blocks in order or not) decoding, verifying k_max drafts or catching up, and two
-        sequences over a gathered cache, masked or not, at most small_linear.SMALL_ROWS rows or more. Writes
-        into blocks nobody owns yet. Returns the seconds it took (0 without compile)."""
+        sequences over a gathered cache, masked or not, within small_linear.SMALL_ROWS rows and past it.
+        Writes into blocks nobody owns yet. Returns the seconds it took (0 without compile)."""
         if self.compiled is None:
             return 0.0
         assert self.cache is not None
         bs, n = self.cache.block_size, self.cache.num_blocks
-        # Two sequences of `big` rows are past small_linear's one-loop products: a batched step compiles that graph.
+        # Two sequences of `big` rows are past small_linear's fused products: the graph batched steps use.
         big = small_linear.SMALL_ROWS // 2 + 1
         extra = max(k_max + 1, big)
         ctx = max(2, min(40, (n // 2) * bs - extra))  # two sequences' worth of blocks, even in a small cache

@@ -32,7 +32,7 @@ class SmallRowsLinear(nn.Linear):
         if not (fused and rows <= SMALL_ROWS):
             return F.linear(x, self.weight, self.bias)
         # Realise the input first: left to itself inductor inlines the producer (an RMSNorm, SiLU(gate) * up) into
-        # the reduction's inner loop and recomputes it for every output feature, which made a 5-row forward 8x
+        # the reduction's inner loop and recomputes it for every output feature, which made a 5-row forward 3-8x
         # slower than MKL's instead of 2x faster.
         flat = torch.ops.prims.inductor_force_stride_order(x.reshape(rows, x.shape[-1]), [x.shape[-1], 1])  # [R, in]
         # [out, 1, in] * [1, R, in] summed over in: the weight's row is the outer loop, so it is read once
