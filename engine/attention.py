@@ -28,6 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
 from engine.kv_cache import PagedKVCache
+from engine.staging import Uploader
 
 ATTN_IMPL = "specd_paged"
 METADATA_KWARG = "specd_attn"  # the keyword argument that carries AttentionMetadata through the model
@@ -43,12 +44,12 @@ _DYNAMIC_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 class ShortGroup:
     """Sequences with short queries, padded to ``[G, Q]`` queries over ``[G, C]`` keys."""
 
-    rows: torch.Tensor  # [G, Q] long: each query's row in the packed batch (padding repeats a row)
-    valid: torch.Tensor  # [G, Q] bool: real query tokens
-    real: torch.Tensor  # [N] long: the real queries' flat indices in [G * Q] (no boolean-mask indexing, no sync)
-    real_rows: torch.Tensor  # [N] long: their rows in the packed batch
-    positions: torch.Tensor  # [G, Q] long
-    slots: torch.Tensor  # [G, C] long: cache slot of key position c (padding points anywhere)
+    # rows, real and real_rows: None when dense (the queries are the packed rows, reshaped)
+    rows: torch.Tensor | None  # [G, Q] long: each query's row in the packed batch (padding repeats a row)
+    real: torch.Tensor | None  # [N] long: the real queries' flat indices in [G * Q] (no boolean-mask indexing)
+    real_rows: torch.Tensor | None  # [N] long: their rows in the packed batch
+    positions: torch.Tensor  # [G, Q] long, 0 for padding queries
+    slots: torch.Tensor | None  # [G, C] long: cache slot of key position c (None: read ``span``)
     mask: torch.Tensor | None  # [G, 1, Q, C] bool: causal, padding rows see key 0 only (no NaN rows)
     dense: bool  # every sequence is here with exactly Q tokens: rows are arange(T), no padding
     span: tuple[int, int] | None  # one sequence whose slots are one contiguous range: read a view
@@ -147,64 +148,114 @@ def _moved(obj: _Layout, device: torch.device) -> _Layout:
     return replace(obj, **{k: v.to(device) for k, v in values.items() if isinstance(v, torch.Tensor)})
 
 
-def build_metadata(
-    cache: PagedKVCache, block_tables: list[list[int]], starts: list[int], ends: list[int], device: torch.device
-) -> AttentionMetadata:
-    """Sequence i feeds positions ``[starts[i], ends[i])`` and attends to ``[0, ends[i])``."""
-    bs = cache.block_size
-    B = len(starts)
-    q_lens = [e - s for s, e in zip(starts, ends)]
-    width = max(len(t) for t in block_tables)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], device=device)  # [B, nb]
-    q_lens_t = torch.tensor(q_lens, device=device)  # [B]
-    starts_t = torch.tensor(starts, device=device)  # [B]
-    q_first = q_lens_t.cumsum(0) - q_lens_t  # [B] first packed row of each sequence
-    first_row = [0, *itertools.accumulate(q_lens)][:B]  # the same on the host: nothing is read back
-    T = sum(q_lens)
-    seq_of = torch.repeat_interleave(torch.arange(B, device=device), q_lens_t)  # [T]
-    positions = starts_t[seq_of] + torch.arange(T, device=device) - q_first[seq_of]  # [T]
-    slot_mapping = tables[seq_of, positions // bs] * bs + positions % bs  # [T]
+@dataclass(frozen=True)
+class ShortPlan:
+    """The host facts of the short group (its index values travel in ``HostLayout.values``)."""
 
-    short_idx = [i for i in range(B) if q_lens[i] <= SHORT_QUERY]
+    batch: int  # G
+    query: int  # Q
+    context: int  # C
+    trivial: bool  # one query per sequence over equal contexts: no mask
+    dense: bool
+    span: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class LongPlan:
+    rows: slice
+    fresh: bool
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """A packed forward's layout as plain Python: ``values`` (name -> flat ints and their shape) go to the device
+    in one copy (engine.staging.Uploader) beside whatever else the forward sends, and ``metadata`` assembles the
+    layout there. Everything of size T or G x Q is built here; what grows with the context (the [G, C] key slots,
+    the mask) is built on the device from the block tables and positions, a few whole-tensor ops."""
+
+    values: dict[str, tuple[list[int], tuple[int, ...]]]
+    short: ShortPlan | None
+    long: list[LongPlan]
+    block_size: int
+
+    def metadata(self, cache: PagedKVCache, t: dict[str, torch.Tensor], upload: Uploader) -> AttentionMetadata:
+        """``t``: at least ``values``, as tensors on the device; ``upload`` lends its persistent ``arange``."""
+        short = None
+        if (s := self.short) is not None:
+            qpos = t["short.positions"]  # [G, Q]
+            kpos = upload.arange(s.context)  # [C]
+            slots = None
+            if s.span is None:
+                bs = self.block_size
+                # Block b of the table holds key positions [b * bs, (b + 1) * bs).
+                slots = (t["short.tables"][:, :, None] * bs + upload.arange(bs)).view(s.batch, -1)[:, : s.context]
+                slots = slots.contiguous()  # [G, C]
+            # Query at position p sees keys at positions <= p; keys past a sequence's own context all have
+            # positions beyond its last query, so the same comparison masks the padding.
+            mask = None if s.trivial else (kpos <= qpos[:, :, None])[:, None]  # [G, 1, Q, C]
+            short = ShortGroup(t.get("short.rows"), t.get("short.real"), t.get("short.real_rows"), qpos, slots, mask,
+                               s.dense, s.span)
+        long = []
+        for i, plan in enumerate(self.long):
+            slots, qpos = t[f"long{i}.slots"], t[f"long{i}.positions"]  # [C], [q]
+            mask = upload.arange(slots.shape[0])[None, :] <= qpos[:, None]  # [q, C]
+            long.append(LongSeq(plan.rows, plan.fresh, slots, qpos, mask))
+        return AttentionMetadata(cache, t["slot_mapping"], t["positions"], short, long)
+
+
+def plan_layout(block_tables: list[list[int]], starts: list[int], ends: list[int], block_size: int) -> HostLayout:
+    """The host side of a forward's layout: sequence i feeds positions ``[starts[i], ends[i])`` and attends to
+    ``[0, ends[i])``. Plain lists, no tensor and no numpy: a step's host code runs with its caches cold (the
+    forward before it streamed the weights through them), where numpy's per-call machinery measured 4x slower
+    than its warm microbenchmark and list comprehensions under 2x."""
+    bs, B = block_size, len(starts)
+    q_lens = [e - s for s, e in zip(starts, ends)]
+    first = [0, *itertools.accumulate(q_lens)]  # each sequence's first packed row
+    T = first[-1]
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    for table, s, e in zip(block_tables, starts, ends):
+        positions += range(s, e)
+        slot_mapping += [table[p // bs] * bs + p % bs for p in range(s, e)]
+    values = {"slot_mapping": (slot_mapping, (T,)), "positions": (positions, (T,))}
+    idx = [i for i in range(B) if q_lens[i] <= SHORT_QUERY]
     short = None
-    if short_idx:
-        idx = torch.tensor(short_idx, device=device)
-        Q, C = max(q_lens[i] for i in short_idx), max(ends[i] for i in short_idx)
-        q_off = torch.arange(Q, device=device)[None, :]  # [1, Q]
-        valid = q_off < q_lens_t[idx, None]  # [G, Q]
-        rows = (q_first[idx, None] + q_off).clamp(max=T - 1)  # [G, Q]
-        qpos = starts_t[idx, None] + q_off  # [G, Q]
-        kpos = torch.arange(C, device=device)  # [C]
-        slots = tables[idx][:, kpos // bs] * bs + kpos % bs  # [G, C]
-        # Query at position p sees keys at positions <= p; keys past a sequence's own context all
-        # have positions beyond its last query, so the same comparison masks the padding.
-        mask = (kpos[None, None, :] <= qpos[:, :, None]) & valid[:, :, None]  # [G, Q, C]
-        mask[:, :, 0] |= ~valid
-        # One query per sequence over equal contexts (always so at batch 1) needs no mask at all,
-        # which lets SDPA take its unmasked fast path.
-        trivial = Q == 1 and len({ends[i] for i in short_idx}) == 1
-        dense = len(short_idx) == B and all(q_lens[i] == Q for i in short_idx)
-        span = _contiguous_span(block_tables[short_idx[0]], C, bs) if len(short_idx) == 1 else None
-        real = torch.tensor([g * Q + j for g, i in enumerate(short_idx) for j in range(q_lens[i])], device=device)
-        real_rows = torch.tensor([first_row[i] + j for i in short_idx for j in range(q_lens[i])], device=device)
-        short = ShortGroup(rows, valid, real, real_rows, qpos, slots, None if trivial else mask[:, None], dense, span)
+    if idx:
+        G, Q, C = len(idx), max(q_lens[i] for i in idx), max(ends[i] for i in idx)
+        dense = G == B and all(q_lens[i] == Q for i in idx)
+        span = _contiguous_span(block_tables[idx[0]], C, bs) if G == 1 else None
+        qpos: list[int] = []
+        for i in idx:  # padding queries sit at position 0: the causal test lets them see key 0 alone (no NaN row)
+            qpos += range(starts[i], ends[i])
+            qpos += [0] * (Q - q_lens[i])
+        values["short.positions"] = (qpos, (G, Q))
+        if not dense:
+            values["short.rows"] = ([min(first[i] + j, T - 1) for i in idx for j in range(Q)], (G, Q))
+            values["short.real"] = ([g * Q + j for g, i in enumerate(idx) for j in range(q_lens[i])], (-1,))
+            values["short.real_rows"] = ([first[i] + j for i in idx for j in range(q_lens[i])], (-1,))
+        if span is None:
+            nb = -(-C // bs)
+            values["short.tables"] = ([b for i in idx for b in (block_tables[i] + [0] * nb)[:nb]], (G, nb))
+        trivial = Q == 1 and min(ends[i] for i in idx) == C
+        short = ShortPlan(G, Q, C, trivial, dense, span)
     long = []
     for i in range(B):
         if q_lens[i] <= SHORT_QUERY:
             continue
-        kpos = torch.arange(ends[i], device=device)
-        qpos = kpos[starts[i] :]
-        first = first_row[i]
-        long.append(
-            LongSeq(
-                rows=slice(first, first + q_lens[i]),
-                fresh=starts[i] == 0,
-                slots=tables[i, kpos // bs] * bs + kpos % bs,
-                positions=qpos,
-                mask=kpos[None, :] <= qpos[:, None],
-            )
-        )
-    return AttentionMetadata(cache, slot_mapping, positions, short, long)
+        table = block_tables[i]
+        values[f"long{len(long)}.slots"] = ([table[p // bs] * bs + p % bs for p in range(ends[i])], (-1,))
+        values[f"long{len(long)}.positions"] = (list(range(starts[i], ends[i])), (-1,))
+        long.append(LongPlan(slice(first[i], first[i + 1]), starts[i] == 0))
+    return HostLayout(values, short, long, bs)
+
+
+def build_metadata(
+    cache: PagedKVCache, block_tables: list[list[int]], starts: list[int], ends: list[int], upload: Uploader,
+) -> AttentionMetadata:
+    """Sequence i feeds positions ``[starts[i], ends[i])`` and attends to ``[0, ends[i])``. ``upload``: the
+    runner's own (on CUDA it reuses pinned buffers)."""
+    layout = plan_layout(block_tables, starts, ends, cache.block_size)
+    return layout.metadata(cache, upload(layout.values), upload)
 
 
 def _contiguous_span(table: list[int], length: int, block_size: int) -> tuple[int, int] | None:
@@ -218,6 +269,15 @@ def _contiguous_span(table: list[int], length: int, block_size: int) -> tuple[in
 def _window(qpos: torch.Tensor, kpos: torch.Tensor, window: int) -> torch.Tensor:
     """transformers' sliding-window convention: query at p sees keys in (p - window, p]."""
     return qpos[..., :, None] - kpos < window
+
+
+_eager_calls = 0  # attention layers run by Python rather than inside a compiled graph
+
+
+def eager_calls() -> int:
+    """How many attention layers ran eagerly so far: engine.compiled reads it around a forward to tell whether
+    dynamo ran its graph or fell back to the plain model."""
+    return _eager_calls
 
 
 def paged_attention_forward(
@@ -234,6 +294,9 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     if specd_attn is None:
         raise RuntimeError(f"the {ATTN_IMPL!r} attention needs specd_attn metadata: run the model through ModelRunner")
+    if not torch.compiler.is_compiling():  # while tracing this is skipped, so a compiled graph never counts
+        global _eager_calls
+        _eager_calls += 1
     if isinstance(specd_attn, PaddedMetadata):
         return _padded_attention(module.layer_idx, query, key, value, scaling, specd_attn.on(query.device),
                                  sliding_window), None
@@ -264,26 +327,29 @@ def _dynamic_attention(
 
     g = meta.short
     if g is not None:
-        G, Q = g.rows.shape
+        G, Q = g.positions.shape
         # The common decode/verify step: a reshape instead of a gather and a masked scatter.
-        q = (q_all.view(G, Q, *q_all.shape[1:]) if g.dense else q_all[g.rows]).permute(0, 2, 1, 3)  # [G, H, Q, D]
+        q = q_all.view(G, Q, *q_all.shape[1:]) if g.rows is None else q_all[g.rows]
+        q = q.permute(0, 2, 1, 3)  # [G, H, Q, D]
         # index_select over the flat slot list: several times faster on CPU than advanced indexing.
         if g.span is not None:
             k = k_cache.narrow(0, *g.span)[None].permute(0, 2, 1, 3)  # [1, Hkv, C, D], no copy
             v = v_cache.narrow(0, *g.span)[None].permute(0, 2, 1, 3)
         else:
+            assert g.slots is not None
             flat = g.slots.view(-1)
             k = k_cache.index_select(0, flat).view(G, -1, *k_cache.shape[1:]).permute(0, 2, 1, 3)  # [G, Hkv, C, D]
             v = v_cache.index_select(0, flat).view(G, -1, *v_cache.shape[1:]).permute(0, 2, 1, 3)  # [G, Hkv, C, D]
         mask = g.mask
         if sliding_window is not None:
-            kpos = torch.arange(g.slots.shape[1], device=q.device)
+            kpos = torch.arange(k.shape[2], device=q.device)
             mask = _window(g.positions, kpos, sliding_window)[:, None]  # [G, 1, Q, C]
+            # Padding queries (position 0) pass every window test; g.mask leaves them key 0.
             mask = mask if g.mask is None else mask & g.mask
-            mask[:, :, :, 0] |= ~g.valid[:, None]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [G, H, Q, D]
-        if g.dense:
+        if g.real is None:
             return o.permute(0, 2, 1, 3).reshape(1, G * Q, *out.shape[1:])  # [1, T, H, Dv]
+        assert g.real_rows is not None
         out.index_copy_(0, g.real_rows, o.permute(0, 2, 1, 3).reshape(G * Q, *out.shape[1:]).index_select(0, g.real))
     _long_attention(meta, q_all, k_new, v_new, k_cache, v_cache, out, scaling, sliding_window, gqa)
     return out[None]  # [1, T, H, Dv]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engine import small_linear
+from engine import attention, small_linear
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class CompiledForward:
         self.failed = False
         self.frozen = False  # set after the start-up warm-up: a layout met later runs eagerly, uncompiled
         self.calls = 0  # forwards that ran compiled
+        self.uncompiled = 0  # decode and verify forwards in a layout the warm-up did not compile, run eagerly
 
     @property
     def fn(self) -> Callable[..., Any]:
@@ -51,17 +52,33 @@ class CompiledForward:
             try:
                 if self.frozen:
                     # Compiling a new layout while serving would stall its request for seconds to a minute (and
-                    # a batched workload meets dozens): those run eagerly, the warmed-up ones compiled.
+                    # a batched workload meets dozens): those run eagerly, the warmed-up ones compiled. dynamo
+                    # falls back silently; the attention layers' eager-call count tells it happened.
+                    before = attention.eager_calls()
                     with torch.compiler.set_stance("eager_on_recompile"):
                         out = self._compiled(**inputs)
+                    if attention.eager_calls() != before:
+                        if not self.uncompiled:
+                            logger.info("%s met a layout its warm-up did not compile; such forwards run eagerly "
+                                        "(counted in CompiledForward.uncompiled)", self.name)
+                        self.uncompiled += 1
+                        return out
                 else:
-                    out = self._compiled(**inputs)
+                    # No duck sizing: dynamo gives every input dimension of equal size one symbol, so a batch of
+                    # two sequences traced beside a cache of two KV heads made the batch size a constant 2, and
+                    # every other batch size ran eagerly.
+                    with torch.fx.experimental._config.patch(use_duck_shape=False):
+                        out = self._compiled(**inputs)
                 self.calls += 1
                 return out
-            except Exception:  # a model or layout inductor cannot handle: serve it eagerly from now on
-                logger.exception("compiled forward of %s failed; running it eagerly from now on", self.name)
-                self.failed = True
+            except Exception:
+                self._fail()
         return self.model(**inputs)
+
+    def _fail(self) -> None:
+        """A model or layout inductor cannot handle: serve it eagerly from now on."""
+        logger.exception("compiled forward of %s failed; running it eagerly from now on", self.name)
+        self.failed = True
 
 
 def warm_up(forwards: list[Callable[[], object]], name: str) -> float:

@@ -15,6 +15,7 @@ from engine.early_exit import decoder_layers, truncate
 from engine.graphs import Buckets, StaticForward
 from engine.kv_cache import LayerShape, PagedKVCache
 from engine.scheduler import ScheduledSeq
+from engine.staging import Uploader
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class ModelRunner:
         assert target.cache is not None, "allocate the target's cache first"
         runner = cls.__new__(cls)
         runner.dtype, runner.device, runner.split = target.dtype, target.device, target.split
+        runner.upload = Uploader(runner.device)
         runner.model = truncate(target.model, len(target.layer_shapes), num_layers)
         if exit_head is not None:
             head = target.model.get_output_embeddings()
@@ -169,6 +171,7 @@ class ModelRunner:
         archs = ", ".join(getattr(model.config, "architectures", None) or [type(model).__name__])
         # Inputs go where the embeddings are; a split model's accelerate hooks carry activations on from there.
         self.device = model.get_input_embeddings().weight.device
+        self.upload = Uploader(self.device)
         self.model = model.eval()
         self.split = split
         head = self.model.get_output_embeddings()
@@ -306,6 +309,8 @@ class ModelRunner:
             ForwardBatch([[0] * (k_max + 1)] * 2, [ctx, ctx // 2], [one, other], [k_max + 1] * 2),  # all verifying
             ForwardBatch([[0] * 3, [0] * 2], [ctx, ctx // 2], [one, other], [1, 1]),
             ForwardBatch([[0] * big] * 2, [ctx, ctx // 2], [one, other], [big] * 2),
+            # short prompts admitted together, of unequal lengths
+            ForwardBatch([[0] * big, [0] * (big - 1)], [ctx, ctx // 2], [one, other], [1, 1]),
         ]
         seconds = warm_up([lambda b=b: self.forward(b) for b in layouts], self.name)
         self.compiled.frozen = True
@@ -329,13 +334,18 @@ class ModelRunner:
             assert self.static is not None
             return self.static.forward(bucket, batch.token_ids, batch.starts, batch.block_tables, batch.logits_rows,
                                        batch.input_ids)
-        meta = attention.build_metadata(self.cache, batch.block_tables, batch.starts, ends, self.device)
-        input_ids = batch.ids(self.device)  # [1, T]
-        position_ids = meta.positions[None]  # [1, T]
+        layout = attention.plan_layout(batch.block_tables, batch.starts, ends, self.cache.block_size)
+        values = dict(layout.values)
         keep, end = batch.logits_row_index()
-        # Verify and plain decode steps want every row: no selection (None) instead of a gather of all of them.
-        self._keep = None if len(keep) == end else torch.tensor(keep, dtype=torch.long, device=self.device)
-        inputs = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        if len(keep) != end:  # verify and plain decode steps want every row: no selection instead of a gather
+            values["keep"] = (keep, (-1,))
+        t = self.upload(values)  # the layout in one host-to-device copy
+        meta = layout.metadata(self.cache, t, self.upload)
+        # The tokens stay a tensor of their own, as the draft loop's (already on the device) are: a compiled graph
+        # specialises on an input's storage offset (0, 1 or more) as on a size, so they must not differ in it.
+        input_ids = batch.ids(self.device)  # [1, T]
+        self._keep = t.get("keep")
+        inputs = dict(input_ids=input_ids, position_ids=meta.positions[None], use_cache=False)
         inputs[attention.METADATA_KWARG] = meta
         try:
             if self.compiled is not None:

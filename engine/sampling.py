@@ -131,6 +131,13 @@ def logprobs_of(
     return chosen, top_v, top_i
 
 
+def keeps_logits(seq: Sequence) -> bool:
+    """True when ``process_logits`` leaves every row of this sequence as the target scored it, whatever the
+    drafts: no penalties, no logit_bias, and min_tokens already reached (so nothing is banned)."""
+    p = seq.params
+    return not p.uses_penalties and not p.logit_bias and seq.num_output_tokens >= p.min_tokens
+
+
 def row_spec(seq: Sequence, extra: Seq[int], eos_ids: Seq[int], vocab: int, device: torch.device) -> RowSpec:
     """The row that predicts the token after ``seq.token_ids + extra`` (extra = drafts before it),
     for logits of ``vocab`` columns on ``device``."""

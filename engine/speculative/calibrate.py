@@ -17,15 +17,19 @@ def calibrate(policy: AdaptivePolicy, target: ModelRunner, draft: ModelRunner | 
     """Writes into blocks nobody owns yet; their contents are garbage-by-design. ``draft`` is the
     runner whose forwards a draft costs, None for prompt lookup."""
     k_max = policy.k_max
-    blocks = list(range(-(-(4 * (k_max + 1)) // block_size)))
+    # The layouts of the steps being priced: a decode and a full verify, after one cached position (a one-token
+    # context is a shape no step has, so a compiled runner would time it eagerly, at 2-3x the cost). A third,
+    # longer size is a prefill chunk, which steps of speculation never run.
+    sizes = (1, k_max + 1)
+    blocks = list(range(-(-(1 + max(sizes)) // block_size)))
     for runner, cost in ((target, policy.target_cost), (draft, policy.draft_cost)):
         if runner is None:
             continue
-        for n in (1, k_max + 1, 4 * (k_max + 1)):
+        for n in sizes:
             best = float("inf")
             for _ in range(3):
                 t0 = time.perf_counter()
-                runner.forward(ForwardBatch([[0] * n], [0], [blocks], [1]))
+                runner.forward(ForwardBatch([[0] * n], [1], [blocks], [n]))
                 runner.synchronize()
                 best = min(best, time.perf_counter() - t0)
             cost.observe(n, best)

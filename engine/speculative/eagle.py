@@ -32,6 +32,7 @@ from engine.sequence import Sequence
 from engine.speculative.draft_model import DraftModelSource
 from engine.speculative.eagle_head import Eagle3Head, aux_layer_ids, load_head
 from engine.speculative.source import DraftRequest, Proposal
+from engine.staging import Uploader
 
 # Logits outside the draft vocabulary: finite, so that a row whose grammar allows none of the draft
 # vocabulary still has a distribution (uniform over what it allows) rather than NaN.
@@ -44,6 +45,7 @@ class EagleRunner:
     def __init__(self, head: Eagle3Head, target: ModelRunner, name: str) -> None:
         attention.register()
         self.device, self.dtype, self.name = target.device, target.dtype, name
+        self.upload = Uploader(self.device)
         if head.embed_tokens is None:
             head.share_embeddings(target.model.get_input_embeddings())
         self.head = head.to(self.device, self.dtype)
@@ -82,7 +84,7 @@ class EagleRunner:
         ``self.prenorm``."""
         assert self.cache is not None, "allocate_cache() first"
         ends = [s + len(t) for s, t in zip(batch.starts, batch.token_ids)]
-        meta = attention.build_metadata(self.cache, batch.block_tables, batch.starts, ends, self.device)
+        meta = attention.build_metadata(self.cache, batch.block_tables, batch.starts, ends, self.upload)
         input_ids = batch.ids(self.device)  # [1, T]
         if hidden is None:
             hidden = torch.zeros(input_ids.shape[1], self.head.config.hidden_size, dtype=self.dtype, device=self.device)

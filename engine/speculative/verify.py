@@ -79,3 +79,9 @@ def emitted(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, final: torch
     tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)  # [B, K+1]
     tokens[torch.arange(B, device=tokens.device), num_accepted] = final
     return tokens
+
+
+def greedy_accepted(drafts: list[int], choice: list[int]) -> int:
+    """The deterministic rule on the host, for a step read back whole: the length of the prefix of ``drafts``
+    (k tokens) equal to the target's ``choice`` at each position (k + 1 tokens, the last for after them)."""
+    return next((j for j, (d, c) in enumerate(zip(drafts, choice)) if d != c), len(drafts))

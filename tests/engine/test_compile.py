@@ -43,24 +43,35 @@ def runners(llm: LLM):
 
 def test_compiled_speculation_is_lossless_and_really_compiled(compiled_llm, pair8):
     ref = Reference(pair8 / "target", eos=7)
-    before = [r.compiled.calls for r in runners(compiled_llm)]
+    before = [(r.compiled.calls, r.compiled.uncompiled) for r in runners(compiled_llm)]
     for p, out in zip(PROMPTS, compiled_llm.generate(PROMPTS, GREEDY)):
         assert_same_as_target(ref, p, out.token_ids, "compiled target and draft")
-    for runner, b in zip(runners(compiled_llm), before):
-        assert runner.compiled.calls > b and not runner.compiled.failed, f"{runner.name} never ran compiled"
+    for runner, (calls, uncompiled) in zip(runners(compiled_llm), before):
+        assert runner.compiled.calls > calls and not runner.compiled.failed, f"{runner.name} never ran compiled"
+        assert runner.compiled.uncompiled == uncompiled, f"{runner.name} met a layout its warm-up did not compile"
+
+
+def test_the_adaptive_calibration_times_compiled_forwards(pair8):
+    """The start-up timings that seed adaptive k are of the layouts the warm-up compiled, not eager ones."""
+    llm = LLM(model=str(pair8 / "target"), draft_model=str(pair8 / "draft"), speculative_method="draft_model",
+              dtype="float32", device="cpu", compile=True)  # adaptive k: calibrated at start-up
+    for runner in runners(llm):
+        assert runner.compiled.calls > 0 and runner.compiled.uncompiled == 0, runner.name
 
 
 def test_a_layout_the_warm_up_did_not_compile_runs_eagerly_instead_of_stalling_to_compile(compiled_llm):
-    """Three sequences feeding 2, 1 and 3 tokens, one logits row each: not among the warm-up's layouts.
-    Compiled while serving, it would hold its step for a compile; it runs eagerly, with the same logits."""
+    """Three sequences decoding one token each, over unequal contexts, the middle one wanting no logits: a row
+    selection at one query per sequence, not among the warm-up's layouts. Compiled while serving, it would hold
+    its step for a compile; it runs eagerly, with the same logits."""
     from torch._dynamo.utils import counters
 
     runner = compiled_llm.engine.target
     assert runner.compiled.frozen
-    batch = ForwardBatch([[7, 0], [1], [2, 3, 4]], [20, 30, 10], [[1, 2], [3, 4, 5], [6]], [1, 1, 3])
-    frames = counters["frames"]["ok"]
+    batch = ForwardBatch([[7], [1], [2]], [20, 30, 10], [[1, 2], [3, 4, 5], [6]], [1, 0, 1])
+    frames, calls, uncompiled = counters["frames"]["ok"], runner.compiled.calls, runner.compiled.uncompiled
     got = runner.forward(batch)
     assert counters["frames"]["ok"] == frames, "a layout was compiled while serving"
+    assert (runner.compiled.calls, runner.compiled.uncompiled) == (calls, uncompiled + 1), "counted as eager"
     runner.compiled.failed = True  # the same forward through the plain model
     try:
         want = runner.forward(batch)

@@ -18,6 +18,7 @@ from engine import LLM, EngineConfig, SamplingParams, model_runner
 from engine.attention import build_metadata
 from engine.config import parse_device_map
 from engine.kv_cache import LayerShape, PagedKVCache
+from engine.staging import Uploader
 from tests.engine.lossless import MAX_NEW, Reference, assert_same_as_target, prompts_for
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
@@ -78,7 +79,7 @@ def test_the_attention_layout_is_copied_once_per_other_device_and_keeps_its_shap
     cache = PagedKVCache([LayerShape(2, 8, 8)] * 2, num_blocks=12, block_size=4, dtype=torch.float32,
                          device=torch.device("cpu"))
     # Sequence 0 decodes one token (the short group), sequence 1 prefills 40 (a long sequence).
-    meta = build_metadata(cache, [[3, 4], list(range(11))], [5, 0], [6, 40], torch.device("cpu"))
+    meta = build_metadata(cache, [[3, 4], list(range(11))], [5, 0], [6, 40], Uploader(torch.device("cpu")))
     assert meta.short is not None and len(meta.long) == 1
     assert meta.on(torch.device("cpu")) is meta
 
@@ -86,8 +87,9 @@ def test_the_attention_layout_is_copied_once_per_other_device_and_keeps_its_shap
     assert meta.on(torch.device("meta")) is moved, "one copy per device per forward"
     assert moved.cache is cache, "the cache stays where each layer put it"
     assert moved.short is not None
-    tensors = [moved.slot_mapping, moved.positions, moved.short.rows, moved.short.valid, moved.short.positions,
-               moved.short.slots, moved.long[0].slots, moved.long[0].positions, moved.long[0].mask]
+    tensors = [moved.slot_mapping, moved.positions, moved.short.rows, moved.short.real, moved.short.positions,
+               moved.long[0].slots, moved.long[0].positions, moved.long[0].mask]
+    assert moved.short.slots is None and meta.short.span == (12, 6), "one sequence in consecutive slots: a view"
     assert all(t.device.type == "meta" for t in tensors)
     assert moved.short.mask is None and meta.short.mask is None  # one query over one context: no mask either way
     assert (moved.short.dense, moved.short.span) == (meta.short.dense, meta.short.span)

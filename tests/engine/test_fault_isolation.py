@@ -4,6 +4,8 @@ A request that could never fit the KV cache is refused up front instead of waiti
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -61,7 +63,11 @@ def test_nan_logits_fail_only_their_own_sequence(llm, ref, tokenizer_dir, monkey
     run_with_one_poisoned(llm, tokenizer_dir, ref)
 
 
-def test_positive_infinity_and_all_minus_infinity_rows_fail_too_but_a_masked_token_does_not(llm, ref, monkeypatch):
+# Plain greedy steps take the verifier's fast path; asking for logprobs takes its tensor path.
+@pytest.mark.parametrize("logprobs", [None, 1], ids=["greedy fast path", "tensor path"])
+def test_positive_infinity_and_all_minus_infinity_rows_fail_too_but_a_masked_token_does_not(
+    llm, ref, monkeypatch, logprobs
+):
     engine = llm.engine
     forward = engine._forward
     kinds = iter(["+inf", "-inf row", "-inf one"])
@@ -87,7 +93,7 @@ def test_positive_infinity_and_all_minus_infinity_rows_fail_too_but_a_masked_tok
 
     monkeypatch.setattr(engine, "_forward", inject)
     prompts = [POISON + [i] for i in (10, 11, 12)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, logprobs=logprobs))
     reasons = {poison_of[o.request_id]: o.finish_reason for o in outs}
     assert reasons == {"+inf": "error", "-inf row": "error", "-inf one": "length"}
     assert_equal_unless_near_tie(ref, prompts[2], outs[2].token_ids, ref.greedy(prompts[2], 8), "masked token")
@@ -122,5 +128,6 @@ def test_finite_logits_pass_through_without_a_copy(llm, monkeypatch):
     verifier, seen = llm.engine.verifier, []
     monkeypatch.setattr(verifier, "_verify", lambda seqs, drafts, probs, logits: seen.append(logits) or [])
     logits = torch.randn(5, 320)
-    verifier([None], [[0, 1, 2, 3]], None, logits)  # one sequence with four drafts: five rows
+    sampled = SimpleNamespace(params=SamplingParams(temperature=1.0), grammar=None)  # not the greedy fast path
+    verifier([sampled], [[0, 1, 2, 3]], None, logits)  # one sequence with four drafts: five rows
     assert seen[0] is logits
