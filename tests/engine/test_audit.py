@@ -40,12 +40,13 @@ def test_a_lossless_engine_audits_every_greedy_request_as_a_match(model_sets, to
 
 def test_an_injected_mismatch_is_counted_and_its_request_logged(model_sets, tokenizer_dir, monkeypatch, caplog):
     """A broken verifier that accepts every draft: speculative output changes, and the audit says so."""
-    accepted_prefix = verifier_module.accepted_prefix
+    # Both paths broken: the tensor rule and the greedy fast path's host rule.
     monkeypatch.setattr(verifier_module, "accepted_prefix", lambda *args: args[4].clone())  # num_drafts
+    monkeypatch.setattr(verifier_module, "greedy_accepted", lambda drafts, choice: len(drafts))
     llm = audited_llm(model_sets["llama"])
     with caplog.at_level(logging.ERROR, logger="engine.audit"):
         outs = llm.generate(prompts_for(tokenizer_dir)[:2], GREEDY)
-        monkeypatch.setattr(verifier_module, "accepted_prefix", accepted_prefix)
+        monkeypatch.undo()
         run_audits(llm)
     assert llm.engine.audit_stats.mismatch == 2 and llm.engine.audit_stats.match == 0
     assert {o.request_id for o in outs} <= {r.message.split("request ")[1].split(" ")[0] for r in caplog.records}
