@@ -309,8 +309,13 @@ class ModelRunner:
             ForwardBatch([[0] * (k_max + 1)] * 2, [ctx, ctx // 2], [one, other], [k_max + 1] * 2),  # all verifying
             ForwardBatch([[0] * 3, [0] * 2], [ctx, ctx // 2], [one, other], [1, 1]),
             ForwardBatch([[0] * big] * 2, [ctx, ctx // 2], [one, other], [big] * 2),
+            ForwardBatch([[0] * big, [0] * (big - 1)], [ctx, ctx // 2], [one, other], [big, big - 1]),  # mixed k
             # short prompts admitted together, of unequal lengths
             ForwardBatch([[0] * big, [0] * (big - 1)], [ctx, ctx // 2], [one, other], [1, 1]),
+            # more sequences decoding than small_linear's rows (the sequences share blocks: nothing reads them)
+            ForwardBatch([[0]] * (2 * big), [ctx, ctx // 2] * big, [one, other] * big, [1] * (2 * big)),
+            # and a draft model catching up some of them, one logits row each
+            ForwardBatch([[0] * 2] + [[0]] * (2 * big - 1), [ctx, ctx // 2] * big, [one, other] * big, [1] * (2 * big)),
         ]
         seconds = warm_up([lambda b=b: self.forward(b) for b in layouts], self.name)
         self.compiled.frozen = True
