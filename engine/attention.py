@@ -44,14 +44,14 @@ _DYNAMIC_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 class ShortGroup:
     """Sequences with short queries, padded to ``[G, Q]`` queries over ``[G, C]`` keys."""
 
-    # rows, real and real_rows: None when dense (the queries are the packed rows, reshaped)
+    # rows, real and real_rows: None when every sequence is here with exactly Q tokens (the queries are the
+    # packed rows, reshaped: no padding)
     rows: torch.Tensor | None  # [G, Q] long: each query's row in the packed batch (padding repeats a row)
     real: torch.Tensor | None  # [N] long: the real queries' flat indices in [G * Q] (no boolean-mask indexing)
     real_rows: torch.Tensor | None  # [N] long: their rows in the packed batch
     positions: torch.Tensor  # [G, Q] long, 0 for padding queries
     slots: torch.Tensor | None  # [G, C] long: cache slot of key position c (None: read ``span``)
     mask: torch.Tensor | None  # [G, 1, Q, C] bool: causal, padding rows see key 0 only (no NaN rows)
-    dense: bool  # every sequence is here with exactly Q tokens: rows are arange(T), no padding
     span: tuple[int, int] | None  # one sequence whose slots are one contiguous range: read a view
 
 
@@ -156,7 +156,6 @@ class ShortPlan:
     query: int  # Q
     context: int  # C
     trivial: bool  # one query per sequence over equal contexts: no mask
-    dense: bool
     span: tuple[int, int] | None
 
 
@@ -194,7 +193,7 @@ class HostLayout:
             # positions beyond its last query, so the same comparison masks the padding.
             mask = None if s.trivial else (kpos <= qpos[:, :, None])[:, None]  # [G, 1, Q, C]
             short = ShortGroup(t.get("short.rows"), t.get("short.real"), t.get("short.real_rows"), qpos, slots, mask,
-                               s.dense, s.span)
+                               s.span)
         long = []
         for i, plan in enumerate(self.long):
             slots, qpos = t[f"long{i}.slots"], t[f"long{i}.positions"]  # [C], [q]
@@ -237,7 +236,7 @@ def plan_layout(block_tables: list[list[int]], starts: list[int], ends: list[int
             nb = -(-C // bs)
             values["short.tables"] = ([b for i in idx for b in (block_tables[i] + [0] * nb)[:nb]], (G, nb))
         trivial = Q == 1 and min(ends[i] for i in idx) == C
-        short = ShortPlan(G, Q, C, trivial, dense, span)
+        short = ShortPlan(G, Q, C, trivial, span)
     long = []
     for i in range(B):
         if q_lens[i] <= SHORT_QUERY:
