@@ -14,6 +14,7 @@ from engine.config import DeviceMap
 from engine.early_exit import decoder_layers, truncate
 from engine.graphs import Buckets, StaticForward
 from engine.kv_cache import LayerShape, PagedKVCache
+from engine.layout import plan_layout
 from engine.scheduler import ScheduledSeq
 from engine.staging import Uploader
 
@@ -339,7 +340,7 @@ class ModelRunner:
             assert self.static is not None
             return self.static.forward(bucket, batch.token_ids, batch.starts, batch.block_tables, batch.logits_rows,
                                        batch.input_ids)
-        layout = attention.plan_layout(batch.block_tables, batch.starts, ends, self.cache.block_size)
+        layout = plan_layout(batch.block_tables, batch.starts, ends, self.cache.block_size)
         values = dict(layout.values)
         keep, end = batch.logits_row_index()
         if len(keep) != end:  # verify and plain decode steps want every row: no selection instead of a gather

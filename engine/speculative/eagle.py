@@ -26,6 +26,7 @@ import torch
 
 from engine import attention
 from engine.kv_cache import LayerShape, PagedKVCache
+from engine.layout import build_metadata
 from engine.model_runner import ForwardBatch, ModelRunner
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -84,7 +85,7 @@ class EagleRunner:
         ``self.prenorm``."""
         assert self.cache is not None, "allocate_cache() first"
         ends = [s + len(t) for s, t in zip(batch.starts, batch.token_ids)]
-        meta = attention.build_metadata(self.cache, batch.block_tables, batch.starts, ends, self.upload)
+        meta = build_metadata(self.cache, batch.block_tables, batch.starts, ends, self.upload)
         input_ids = batch.ids(self.device)  # [1, T]
         if hidden is None:
             hidden = torch.zeros(input_ids.shape[1], self.head.config.hidden_size, dtype=self.dtype, device=self.device)

@@ -15,9 +15,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import LLM, EngineConfig, SamplingParams, model_runner
-from engine.attention import build_metadata
 from engine.config import parse_device_map
 from engine.kv_cache import LayerShape, PagedKVCache
+from engine.layout import build_metadata
 from engine.staging import Uploader
 from tests.engine.lossless import MAX_NEW, Reference, assert_same_as_target, prompts_for
 
