@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,13 +29,15 @@ class CompiledForward:
         self.model = model
         self.name = name
         # The C++ wrapper drops the Python between kernels; CUDA's wrapper is Python (graphs are the lever there).
-        options = {"cpp_wrapper": True} if next(model.parameters()).device.type == "cpu" else {}
+        options: dict[str, Any] = {"cpp_wrapper": True} if next(model.parameters()).device.type == "cpu" else {}
         small_linear.install(model)  # few-row products as fused loops rather than MKL calls (CPU, float32)
-        # dynamo counts recompilations per code object, and the target and the draft share their architecture's
-        # forward: their warm-up layouts alone reach the default limit of 8, after which every new layout ran
-        # eagerly (with a warning) for the rest of the process.
+        # dynamo counts recompilations per code object: one model's warm-up layouts pass the default limit of 8,
+        # after which every new layout ran eagerly (with a warning) for the rest of the process.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self._compiled: Callable[..., Any] = torch.compile(model, dynamic=True, options=options)
+        options["guard_filter_fn"] = _without_module_guards
+        self.entry = _own_entry(name)
+        compiled = torch.compile(self.entry, dynamic=True, options=options)
+        self._compiled: Callable[..., Any] = lambda **inputs: compiled(model, inputs)
         self.failed = False
         self.frozen = False  # set after the start-up warm-up: a layout met later runs eagerly, uncompiled
         self.calls = 0  # forwards that ran compiled
@@ -79,6 +81,27 @@ class CompiledForward:
         """A model or layout inductor cannot handle: serve it eagerly from now on."""
         logger.exception("compiled forward of %s failed; running it eagerly from now on", self.name)
         self.failed = True
+
+
+def _without_module_guards(entries: Sequence[Any]) -> list[bool]:
+    """Which of a new graph's guards dynamo keeps: none on the model's modules (attributes, parameters, hooks),
+    since this entry only ever runs its one model and nothing changes a module after loading, except what a
+    hook reaches through its bound object: the runner's rows to keep, set per forward, which a graph depends on
+    (dropping that guard gave a draft forward every row's logits instead of its kept rows')."""
+    return [not e.orig_guard.source.is_unspecialized_nn_module() or "__self__" in e.name for e in entries]
+
+
+def _own_entry(name: str) -> Callable[[torch.nn.Module, dict[str, Any]], Any]:
+    """``model(**inputs)`` as a function with a code object of its own. dynamo keeps its graphs per code object
+    and, at each call, tries them newest first, evaluating each one's guards until one passes. Compiling the
+    model itself put the target's and the draft's graphs on their architecture's one ``forward``: a forward
+    first failed the guards of every graph of the other model and of its own later layouts (the target's
+    batch-1 decode, compiled first, was tried last). With an entry of its own per model and no module
+    guards, side by side in one process: the draft's batch-1 decode forward 0.43 -> 0.36 ms, the target's
+    3.33 -> 3.05 ms."""
+    ns: dict[str, Any] = {}
+    exec(compile("def forward(model, inputs):\n    return model(**inputs)\n", f"<specd forward of {name}>", "exec"), ns)
+    return ns["forward"]
 
 
 def warm_up(forwards: list[Callable[[], object]], name: str) -> float:

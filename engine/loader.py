@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from engine.config import EngineConfig, SpeculativeMethod
 from engine.graphs import Buckets
+from engine.host_memory import keep_freed_memory
 from engine.model_runner import ModelRunner
 from engine.speculative import exit_head
 from engine.speculative.eagle import EagleRunner
@@ -110,6 +111,8 @@ def load(config: EngineConfig) -> Loaded:
     t0 = time.perf_counter()
     target = ModelRunner(config.model, config.dtype, config.device, config.trust_remote_code, config.device_map,
                          config.compile)
+    if "cpu" in {d.type for d in target.layer_devices or [target.device]}:
+        keep_freed_memory()  # a batched step's large temporaries met fresh pages from the kernel in some processes
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     draft: ModelRunner | EagleRunner | None = None
     eagle = config.uses_draft_model and is_eagle_head(config.draft_model or "")

@@ -51,6 +51,17 @@ def test_compiled_speculation_is_lossless_and_really_compiled(compiled_llm, pair
         assert runner.compiled.uncompiled == uncompiled, f"{runner.name} met a layout its warm-up did not compile"
 
 
+def test_the_target_and_the_draft_keep_their_compiled_graphs_apart(compiled_llm):
+    """dynamo tries a code object's graphs one after another, guards and all: a target forward must not first
+    fail every graph of the draft (the two share their architecture's forward)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    target, draft = runners(compiled_llm)
+    assert target.compiled.entry.__code__ is not draft.compiled.entry.__code__
+    for runner in (target, draft):
+        assert _debug_get_cache_entry_list(runner.compiled.entry.__code__), f"{runner.name}: no graph on its entry"
+
+
 def test_the_adaptive_calibration_times_compiled_forwards(pair8):
     """The start-up timings that seed adaptive k are of the layouts the warm-up compiled, not eager ones."""
     llm = LLM(model=str(pair8 / "target"), draft_model=str(pair8 / "draft"), speculative_method="draft_model",
