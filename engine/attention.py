@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
+from engine import cpu_attention
 from engine.kv_cache import PagedKVCache
 
 ATTN_IMPL = "specd_paged"
@@ -207,33 +208,49 @@ def _dynamic_attention(
 
     g = meta.short
     if g is not None:
-        G, Q = g.positions.shape
-        # The common decode/verify step: a reshape instead of a gather and a masked scatter.
-        q = q_all.view(G, Q, *q_all.shape[1:]) if g.rows is None else q_all[g.rows]
-        q = q.permute(0, 2, 1, 3)  # [G, H, Q, D]
-        # index_select over the flat slot list: several times faster on CPU than advanced indexing.
-        if g.span is not None:
-            k = k_cache.narrow(0, *g.span)[None].permute(0, 2, 1, 3)  # [1, Hkv, C, D], no copy
-            v = v_cache.narrow(0, *g.span)[None].permute(0, 2, 1, 3)
-        else:
-            assert g.slots is not None
-            flat = g.slots.view(-1)
-            k = k_cache.index_select(0, flat).view(G, -1, *k_cache.shape[1:]).permute(0, 2, 1, 3)  # [G, Hkv, C, D]
-            v = v_cache.index_select(0, flat).view(G, -1, *v_cache.shape[1:]).permute(0, 2, 1, 3)  # [G, Hkv, C, D]
-        mask = g.mask
-        if sliding_window is not None:
-            kpos = torch.arange(k.shape[2], device=q.device)
-            mask = _window(g.positions, kpos, sliding_window)[:, None]  # [G, 1, Q, C]
-            # Padding queries (position 0) pass every window test; g.mask leaves them key 0.
-            mask = mask if g.mask is None else mask & g.mask
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [G, H, Q, D]
-        if g.real is None:
-            return o.permute(0, 2, 1, 3).reshape(1, G * Q, *out.shape[1:])  # [1, T, H, Dv]
+        o = _short_attention(q_all, k_cache, v_cache, scaling, g, sliding_window, gqa)  # [G, Q, H, Dv]
+        if g.real is None:  # every sequence is here with Q tokens: the rows are o's, in order
+            return o.reshape(1, -1, *out.shape[1:])  # [1, T, H, Dv]
         assert g.real_rows is not None
-        out.index_copy_(0, g.real_rows, o.permute(0, 2, 1, 3).reshape(G * Q, *out.shape[1:]).index_select(0, g.real))
+        out.index_copy_(0, g.real_rows, o.reshape(-1, *out.shape[1:]).index_select(0, g.real))
     _long_attention(meta, q_all, k_new, v_new, k_cache, v_cache, out, scaling, sliding_window, gqa)
     return out[None]  # [1, T, H, Dv]
 
+
+def _short_attention(
+    q_all: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, Dv]
+    scaling: float | None,
+    g: ShortGroup,
+    sliding_window: int | None,
+    gqa: bool,
+) -> torch.Tensor:
+    """The short group's queries over their contexts: [G, Q, H, Dv]."""
+    G, Q = g.positions.shape
+    # The common decode/verify step: a reshape instead of a gather and a masked scatter.
+    q = q_all.view(G, Q, *q_all.shape[1:]) if g.rows is None else q_all[g.rows]  # [G, Q, H, D]
+    if g.slots is not None and cpu_attention.usable(q, k_cache, v_cache, sliding_window):
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        return cpu_attention.paged_attention(q, k_cache, v_cache, g.slots, g.positions, scale)
+    q = q.permute(0, 2, 1, 3)  # [G, H, Q, D]
+    # index_select over the flat slot list: several times faster on CPU than advanced indexing.
+    if g.span is not None:
+        k = k_cache.narrow(0, *g.span)[None].permute(0, 2, 1, 3)  # [1, Hkv, C, D], no copy
+        v = v_cache.narrow(0, *g.span)[None].permute(0, 2, 1, 3)
+    else:
+        assert g.slots is not None
+        flat = g.slots.view(-1)
+        k = k_cache.index_select(0, flat).view(G, -1, *k_cache.shape[1:]).permute(0, 2, 1, 3)  # [G, Hkv, C, D]
+        v = v_cache.index_select(0, flat).view(G, -1, *v_cache.shape[1:]).permute(0, 2, 1, 3)  # [G, Hkv, C, D]
+    mask = g.mask
+    if sliding_window is not None:
+        kpos = torch.arange(k.shape[2], device=q.device)
+        mask = _window(g.positions, kpos, sliding_window)[:, None]  # [G, 1, Q, C]
+        # Padding queries (position 0) pass every window test; g.mask leaves them key 0.
+        mask = mask if g.mask is None else mask & g.mask
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [G, H, Q, Dv]
+    return o.permute(0, 2, 1, 3)
 
 def _long_attention(
     meta: AttentionMetadata,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
-from engine import attention, small_linear
+from engine import attention, cpu_attention, small_linear
 from engine.compiled import CompiledForward, warm_up
 from engine.config import DeviceMap
 from engine.early_exit import decoder_layers, truncate
@@ -188,6 +188,10 @@ class ModelRunner:
         self.layer_devices: list[torch.device] = []
         self.layer_shapes = self._probe_layer_shapes()
         self.model.set_attn_implementation(attention.ATTN_IMPL)
+        if self.dtype == torch.float32 and any(d.type == "cpu" for d in self.layer_devices or [self.device]):
+            # Built now rather than inside the first forward: a compiled forward would meet the build (file I/O, a
+            # compiler) while tracing and break its graph there.
+            cpu_attention.kernel()
         self.cache: PagedKVCache | None = None
         self.static: StaticForward | None = None
         self.name = name

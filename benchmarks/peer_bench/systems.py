@@ -127,7 +127,12 @@ class Running:
             return self.system.args[3]
         return httpx.get(self.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
-    def wait_ready(self, timeout: float = 300.0) -> None:
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """``timeout``: by default 300 s, and 1800 s for a system with --compile, whose first start on a machine
+        compiles every warm-up layout (10-15 min for the default pair on 2 cores; a later start reads inductor's
+        cache)."""
+        if timeout is None:
+            timeout = 1800.0 if "--compile" in self.system.args else 300.0
         deadline = time.monotonic() + timeout
         if self.system.kind == "generate":
             line = self.proc.stdout.readline()
