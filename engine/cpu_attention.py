@@ -1,14 +1,14 @@
-"""Short-query attention on the CPU, reading the paged cache in place: engine/kernels/paged_attention.c, built with
-the machine's C compiler on first use and called as the custom op ``specd::paged_attention``, so a compiled
-forward (engine.compiled) keeps it inside its graph.
+"""Short-query attention on the CPU, reading the paged cache in place: engine/kernels/paged_attention.c, built
+with the machine's C compiler when a float32 model is loaded on the CPU, and called as the custom op
+``specd::paged_attention``, so a compiled forward (engine.compiled) keeps it inside its graph.
 
 Why a kernel of our own: on the CPU the padded path gathers each sequence's keys into a copy per layer and runs
 SDPA over the copy, so a 32-sequence decode step reads its K/V three times (the cache, the copy written, the copy
 read) and every padded key too. torch has no CPU kernel that reads through a block table (FlexAttention's CPU path
-and an inductor-generated indirect read were measured slower than the gather), and the CPU libraries that have one
-(intel-extension-for-pytorch, vLLM's CPU build) do not install beside this torch. Measured side by side in one
-process (2 cores, float32, 6 heads of 64, keys 164-224 per sequence, median of 30): 32 sequences x 1 query 10.1
-ms gather + SDPA vs 0.56-0.75 ms here; 32 x 4 queries 2.9-3.2 vs 1.5; 1 x 1 0.08 vs 0.015.
+and an inductor-generated indirect read were measured slower than the gather), and of the CPU libraries that have
+one, intel-extension-for-pytorch stopped at 2.8.0 (built for torch 2.8) and vLLM's CPU build is not on PyPI.
+benchmarks/cpu_attention.py measures both side by side: eager forwards of the embedded target at 32 sequences
+1.55x faster at one token each, 2.0x at five (docs/benchmarks.md).
 
 No compiler, an unwritable cache, or a layout the kernel does not take (not float32, a sliding window): the
 caller keeps the gather path, which computes the same attention.
