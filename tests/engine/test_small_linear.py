@@ -1,5 +1,5 @@
-"""Linear products over a few rows on CPU under torch.compile: a fused multiply-reduce instead of an MKL
-call, the same numbers, and eager code untouched."""
+"""Linear products on CPU under torch.compile: over a few rows a fused multiply-reduce, over more oneDNN with
+packed weights, instead of MKL calls; the same numbers, and eager code untouched."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_install_turns_only_float32_cpu_linears_and_keeps_the_eager_forward():
 
 
 @pytest.mark.parametrize("rows", [1, 3, small_linear.SMALL_ROWS, small_linear.SMALL_ROWS + 1])
-def test_compiled_few_rows_are_a_fused_loop_and_more_rows_call_the_gemm(rows):
+def test_compiled_few_rows_are_a_fused_loop_and_more_rows_a_packed_onednn_product(rows):
     torch.manual_seed(0)
     model = Two()
     x = torch.randn(1, rows, 24)
@@ -44,4 +44,8 @@ def test_compiled_few_rows_are_a_fused_loop_and_more_rows_call_the_gemm(rows):
         got, code = run_and_get_code(torch.compile(model, dynamic=True), x)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     gemm_calls = sum(src.count("mm(") for src in code)
-    assert (gemm_calls == 0) if rows <= small_linear.SMALL_ROWS else (gemm_calls >= 2), code
+    packed_calls = sum(src.count("packed_linear") for src in code)
+    if rows <= small_linear.SMALL_ROWS:
+        assert gemm_calls == 0 and packed_calls == 0, code
+    else:  # both layers through oneDNN's packed weights, none through MKL
+        assert gemm_calls == 0 and packed_calls >= 2, code
