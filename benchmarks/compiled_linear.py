@@ -7,6 +7,12 @@ For the target and the draft of the pair, three runners compiled alike except fo
 (the loop, then F.linear, i.e. MKL's sgemm) and ``onednn always`` (packed oneDNN at every size). Each
 layout is one forward of G sequences x Q tokens over contexts of 160-220 keys; the runners alternate, and
 the table gives median ms per forward. Compiling takes a few minutes the first time (inductor's cache).
+
+    python benchmarks/compiled_linear.py --engine [--rounds 3]
+
+Whole engines instead: the default (hybrid) on the pair, compiled, with and without the packed weights (MKL
+past 16 rows), built in one process and alternated over 8 held-out code prompts, one request at a time,
+greedy, 128 new tokens; tokens/s per round and the medians.
 """
 
 from __future__ import annotations
@@ -20,9 +26,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from cpu_attention import BLOCKS, BS, scattered_batch  # this script's own directory is on sys.path
+from peer_bench.prompts import code_prompts
+from transformers import AutoTokenizer
 
 from engine import small_linear
-from engine.model_runner import ForwardBatch, ModelRunner
+from engine.llm import LLM
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = [(1, 1), (1, 5), (2, 5), (4, 4), (4, 5), (8, 4), (32, 1), (32, 3)]  # (G sequences, Q tokens each)
@@ -41,7 +52,7 @@ class PackedAlways(small_linear.SmallRowsLinear):
 
 def runner(path: Path, variant: str) -> ModelRunner:
     r = ModelRunner(str(path), "float32", "cpu", compile=True)
-    r.allocate_cache(num_blocks=1200, block_size=16)
+    r.allocate_cache(num_blocks=BLOCKS, block_size=BS)
     for m in r.model.modules():
         if isinstance(m, small_linear.SmallRowsLinear):
             if variant == "mkl past 16":
@@ -51,15 +62,39 @@ def runner(path: Path, variant: str) -> ModelRunner:
     return r
 
 
-def batch(rng: random.Random, G: int, Q: int) -> ForwardBatch:
-    ends = [rng.randint(160, 220) for _ in range(G)]
-    free = rng.sample(range(1200), sum(-(-(e + Q) // 16) for e in ends))
-    tables = []
-    for e in ends:
-        n = -(-(e + Q) // 16)
-        tables.append(free[:n])
-        free = free[n:]
-    return ForwardBatch([[7] * Q] * G, ends, tables, [Q] * G)
+def engines(pair: Path, rounds: int) -> None:
+    tok = AutoTokenizer.from_pretrained(pair / "target")
+    prompts = code_prompts(tok, 8)
+    available = torch.backends.mkldnn.is_available
+    llms = {}
+    for name in ("packed past 16", "mkl past 16"):
+        # small_linear.install packs only where oneDNN is available: saying it is not gives the MKL engine.
+        torch.backends.mkldnn.is_available = available if name == "packed past 16" else (lambda: False)
+        try:
+            t0 = time.perf_counter()
+            llms[name] = LLM(str(pair / "target"), draft_model=str(pair / "draft"), dtype="float32", device="cpu",
+                             compile=True)
+            llms[name].generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))  # first-call paths
+            print(f"{name}: ready in {time.perf_counter() - t0:.0f} s", flush=True)
+        finally:
+            torch.backends.mkldnn.is_available = available
+    params = SamplingParams(max_tokens=128, temperature=0.0)
+    rates: dict[str, list[float]] = {name: [] for name in llms}
+    texts: dict[str, list[list[int]]] = {}
+    for rnd in range(rounds):
+        order = list(llms.items()) if rnd % 2 == 0 else list(llms.items())[::-1]
+        for name, llm in order:
+            t0, tokens, outs = time.perf_counter(), 0, []
+            for p in prompts:
+                ids = llm.generate([p], params)[0].token_ids
+                tokens += len(ids)
+                outs.append(list(ids))
+            rates[name].append(tokens / (time.perf_counter() - t0))
+            texts[name] = outs
+        print(f"round {rnd + 1}: " + ", ".join(f"{n} {v[-1]:.1f} tok/s" for n, v in rates.items()), flush=True)
+    same = sum(a == b for a, b in zip(*texts.values()))
+    print("medians: " + ", ".join(f"{n} {statistics.median(v):.1f} tok/s" for n, v in rates.items())
+          + f"; {same}/{len(prompts)} outputs identical")
 
 
 def main() -> None:
@@ -67,14 +102,19 @@ def main() -> None:
     ap.add_argument("--pair", type=Path, default=REPO_ROOT / "models" / "default")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--json", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "compiled_linear.json")
+    ap.add_argument("--engine", action="store_true", help="whole engines, packed weights against MKL past 16 rows")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    if args.engine:
+        engines(args.pair, args.rounds)
+        return
     variants = ("as built", "mkl past 16", "onednn always")
     rows = []
     with torch.inference_mode():
         for model in ("target", "draft"):
             runners = {v: runner(args.pair / model, v) for v in variants}
             rng = random.Random(1)
-            batches = {(G, Q): batch(rng, G, Q) for G, Q in LAYOUTS}
+            batches = {(G, Q): scattered_batch(rng, G, Q) for G, Q in LAYOUTS}
             for (G, Q), b in batches.items():
                 t0 = time.perf_counter()
                 outs = {v: r.forward(b) for v, r in runners.items()}  # compiles each layout the first time

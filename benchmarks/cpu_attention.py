@@ -71,21 +71,30 @@ def layer_table(H: int, Hkv: int, D: int, repeats: int) -> list[dict]:
     return rows
 
 
+BLOCKS = 1200  # the whole-forward runs' cache, in blocks of BS
+
+
+def scattered_batch(rng: random.Random, G: int, Q: int) -> ForwardBatch:
+    """G sequences with 160-220 tokens cached, feeding Q tokens each, their blocks scattered over a cache of
+    BLOCKS blocks as a running server's cache holds them (benchmarks/compiled_linear.py uses it too)."""
+    ends = [rng.randint(160, 220) for _ in range(G)]
+    free = rng.sample(range(BLOCKS), sum(-(-(e + Q) // BS) for e in ends))
+    tables = []
+    for e in ends:
+        n = -(-(e + Q) // BS)
+        tables.append(free[:n])
+        free = free[n:]
+    return ForwardBatch([[7] * Q] * G, ends, tables, [Q] * G)
+
+
 def forward_table(target: Path, repeats: int) -> list[dict]:
     runner = ModelRunner(str(target), "float32", "cpu")
-    runner.allocate_cache(num_blocks=1200, block_size=BS)
+    runner.allocate_cache(num_blocks=BLOCKS, block_size=BS)
     rng = random.Random(1)
     usable = cpu_attention.usable
     rows = []
     for G, Q in [(1, 1), (8, 1), (8, 5), (32, 1), (32, 5)]:
-        ends = [rng.randint(160, 220) for _ in range(G)]
-        free = rng.sample(range(1200), sum(-(-(e + Q) // BS) for e in ends))
-        tables = []
-        for e in ends:
-            n = -(-(e + Q) // BS)
-            tables.append(free[:n])
-            free = free[n:]
-        batch = ForwardBatch([[7] * Q] * G, ends, tables, [Q] * G)
+        batch = scattered_batch(rng, G, Q)
 
         def run(on: bool, b: ForwardBatch = batch) -> None:
             cpu_attention.usable = usable if on else (lambda *a: False)
@@ -95,7 +104,7 @@ def forward_table(target: Path, repeats: int) -> list[dict]:
                 cpu_attention.usable = usable
 
         ms = _alternated({"kernel": lambda: run(True), "gather": lambda: run(False)}, repeats)
-        rows.append({"G": G, "Q": Q, "context": f"{min(ends)}-{max(ends)}", "kernel_ms": ms["kernel"],
+        rows.append({"G": G, "Q": Q, "context": f"{min(batch.starts)}-{max(batch.starts)}", "kernel_ms": ms["kernel"],
                      "gather_sdpa_ms": ms["gather"]})
     return rows
 
