@@ -33,8 +33,12 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "paged_attention.c"
 # -ffast-math lets gcc vectorise expf through glibc's vector math library (SDPA's own CPU kernel uses an
-# approximate exp too) and reorder the dot products' sums; the kernel never produces an infinity or a NaN.
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# approximate exp too) and reorder the dot products' sums; the kernel never produces an infinity or a NaN. It is
+# given to the compile step only: linked with -ffast-math, gcc adds crtfastmath.o, whose constructor turns on
+# flush-to-zero for the whole process when the library loads (subnormal floats become 0 everywhere; hypothesis,
+# in the fuzz tests, caught it).
+COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+LINK = ["-shared", "-fopenmp"]
 
 _LIB: list[ctypes.CDLL | None] = []  # [] before the first build; [None] once it failed
 
@@ -60,7 +64,8 @@ def _build() -> ctypes.CDLL | None:
         logger.info("no C compiler: CPU attention gathers keys into a copy per layer (slower at large batches)")
         return None
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), _cpu_key().encode()]))
+    flags = " ".join(COMPILE + LINK).encode()
+    key = hashlib.sha256(b"\0".join([source, flags, compiler.encode(), _cpu_key().encode()]))
     try:
         directory = _cache_dir()
         directory.mkdir(parents=True, exist_ok=True)
@@ -73,8 +78,12 @@ def _build() -> ctypes.CDLL | None:
         # half-written library.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
         os.close(fd)
+        obj = tmp[: -len(".so")] + ".o"
         t0 = time.perf_counter()
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        result = subprocess.run([compiler, *COMPILE, str(SOURCE), "-o", obj], capture_output=True, text=True)
+        if result.returncode == 0:
+            result = subprocess.run([compiler, *LINK, obj, "-o", tmp, "-lm"], capture_output=True, text=True)
+        Path(obj).unlink(missing_ok=True)
         if result.returncode != 0:
             os.unlink(tmp)
             logger.warning("building the CPU attention kernel failed (%s); keeping the gather path:\n%s",

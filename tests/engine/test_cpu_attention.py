@@ -5,6 +5,8 @@ around it; compiled callers keep it in their graph; the model runner sends short
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -84,6 +86,23 @@ def test_a_compiled_caller_keeps_the_kernel_in_its_graph():
     compiled = torch.compile(layer, fullgraph=True, options={"cpp_wrapper": True})
     args = [case[k] for k in ("q", "k_cache", "v_cache", "slots", "positions")]
     torch.testing.assert_close(compiled(*args), layer(*args), atol=0, rtol=0)
+
+
+def test_loading_the_kernel_leaves_the_processes_floating_point_state_alone():
+    """Built with -ffast-math, the library must not switch on flush-to-zero for the whole process (what gcc's
+    crtfastmath.o does when it is linked in): subnormal floats stay subnormal, in Python and in torch, in a fresh
+    interpreter that loads it."""
+    code = (
+        "import sys, torch\n"
+        "from engine import cpu_attention\n"
+        "assert cpu_attention.kernel() is not None\n"
+        "tiny = sys.float_info.min / 4\n"
+        "assert tiny > 0, 'flush-to-zero in Python floats'\n"
+        "assert (torch.tensor([sys.float_info.min], dtype=torch.float64) / 4).item() > 0, 'flush-to-zero in torch'\n"
+        "assert (torch.tensor([1e-39]) * 1.0).item() > 0, 'denormals-are-zero in float32'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
 
 
 def test_layers_the_kernel_does_not_take_keep_the_gather_path():
