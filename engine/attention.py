@@ -5,7 +5,8 @@ attention layer, and extra keyword arguments given to the model's forward reach 
 batch layout as ``specd_attn`` and do two things per layer: write the new K/V into the paged cache,
 then attend each query token to its own sequence's cached K/V with a causal limit.
 
-Sequences with few new tokens (decode and verify steps) are padded into one batched SDPA call;
+Sequences with few new tokens (decode and verify steps) are padded into one batched SDPA call (on the
+CPU in float32, one call of engine.cpu_attention's kernel, which reads the cache in place instead);
 long chunks (prefill) get one call each, so padding never multiplies a long prompt's cost. A forward
 in a static bucket shape (engine.graphs) brings ``PaddedMetadata`` instead: every shape fixed by
 the bucket, nothing computed from host values, so it can be captured as a CUDA graph. Such a
@@ -251,6 +252,7 @@ def _short_attention(
         mask = mask if g.mask is None else mask & g.mask
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [G, H, Q, Dv]
     return o.permute(0, 2, 1, 3)
+
 
 def _long_attention(
     meta: AttentionMetadata,

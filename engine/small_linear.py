@@ -60,11 +60,9 @@ class SmallRowsLinear(nn.Linear):
         # With dynamic shapes this adds a guard (rows <= SMALL_ROWS), so a larger batch compiles a graph of its own.
         # Inference only (the engine's forwards run under inference_mode): the realising prim has no backward.
         fused = torch.compiler.is_compiling() and not torch.is_grad_enabled() and x.device.type == "cpu"
-        if not fused:
+        if not fused or (rows > SMALL_ROWS and self.packed_key is None):
             return F.linear(x, self.weight, self.bias)
         if rows > SMALL_ROWS:
-            if self.packed_key is None:
-                return F.linear(x, self.weight, self.bias)
             y = packed_linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias, self.packed_key)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         # Realise the input first: left to itself inductor inlines the producer (an RMSNorm, SiLU(gate) * up) into
