@@ -19,8 +19,11 @@ Systems, all on one machine, started by this process (servers on 127.0.0.1, gene
                           pair converted to f32 GGUF on first use (benchmarks/llamacpp/convert.py).
                           One slot per request of the largest concurrency, each with the pair's context
   llama.cpp none          the same without the draft
-  specd adaptive compiled specd adaptive with --compile (only when named in --systems)
+  specd adaptive compiled specd adaptive with --compile (compiled before serving; only when named)
   specd none compiled     specd none with --compile (only when named in --systems)
+  specd adaptive default  specd adaptive as the server starts with no --compile flag (on CPU in float32:
+                          compiled in the background), measured once it is done (only when named)
+The other specd systems run with --compile off: eager, whatever the server's default.
 Every system loads the same weights in the same dtype (float32 on CPU, bfloat16 on CUDA) with the
 process's default thread count (--threads for llama.cpp, whose own default is not that). Without a
 llama-server binary, or on a GPU, the llama.cpp systems are left out with a message.

@@ -34,6 +34,7 @@ from engine import small_linear
 from engine.llm import LLM
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
+from engine.tracing import tracing
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = [(1, 1), (1, 5), (2, 5), (4, 4), (4, 5), (8, 4), (32, 1), (32, 3)]  # (G sequences, Q tokens each)
@@ -43,7 +44,7 @@ class PackedAlways(small_linear.SmallRowsLinear):
     """Packed oneDNN at every row count, compiled (for the comparison only)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling() or self.packed_key is None:
+        if not tracing() or self.packed_key is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1]
         y = small_linear.packed_linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias, self.packed_key)

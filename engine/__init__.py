@@ -1,6 +1,6 @@
 """specd's engine: lossless, batched speculative decoding over transformers models."""
 
-from engine.config import EngineConfig, SpeculativeMethod
+from engine.config import CompileMode, EngineConfig, SpeculativeMethod
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
@@ -11,6 +11,7 @@ from engine.structured.constraint import Constraint, ConstraintKind
 
 __all__ = [
     "LLM",
+    "CompileMode",
     "CompletionOutput",
     "Constraint",
     "ConstraintKind",

@@ -17,6 +17,7 @@ block-sparse kernel visits only the blocks a sequence owns (the GPU's path: no c
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import TypeVar
@@ -29,6 +30,7 @@ from transformers import AttentionInterface
 
 from engine import cpu_attention
 from engine.kv_cache import PagedKVCache
+from engine.tracing import tracing
 
 ATTN_IMPL = "specd_paged"
 METADATA_KWARG = "specd_attn"  # the keyword argument that carries AttentionMetadata through the model
@@ -127,8 +129,7 @@ def flex() -> Callable[..., torch.Tensor]:
     if not _FLEX:
         # One graph per batch bucket and per model's head layout (the draft's differs from the target's):
         # more than dynamo's default of 8 recompilations of one function.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        _FLEX.append(torch.compile(flex_attention, dynamic=False, fullgraph=True))
+        _FLEX.append(torch.compile(flex_attention, dynamic=False, fullgraph=True, recompile_limit=64))
     return _FLEX[0]
 
 
@@ -153,13 +154,15 @@ def _window(qpos: torch.Tensor, kpos: torch.Tensor, window: int) -> torch.Tensor
     return qpos[..., :, None] - kpos < window
 
 
-_eager_calls = 0  # attention layers run by Python rather than inside a compiled graph
+# Attention layers run by Python rather than inside a compiled graph, per thread: a background compile's
+# forwards must not count in the serving thread's.
+_eager = threading.local()
 
 
 def eager_calls() -> int:
-    """How many attention layers ran eagerly so far: engine.compiled reads it around a forward to tell whether
-    dynamo ran its graph or fell back to the plain model."""
-    return _eager_calls
+    """How many attention layers ran eagerly so far in this thread: engine.compiled reads it around a forward to
+    tell whether dynamo ran its graph or fell back to the plain model."""
+    return getattr(_eager, "calls", 0)
 
 
 def paged_attention_forward(
@@ -176,9 +179,8 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     if specd_attn is None:
         raise RuntimeError(f"the {ATTN_IMPL!r} attention needs specd_attn metadata: run the model through ModelRunner")
-    if not torch.compiler.is_compiling():  # while tracing this is skipped, so a compiled graph never counts
-        global _eager_calls
-        _eager_calls += 1
+    if not tracing():  # while tracing this is skipped, so a compiled graph never counts
+        _eager.calls = getattr(_eager, "calls", 0) + 1
     if isinstance(specd_attn, PaddedMetadata):
         return _padded_attention(module.layer_idx, query, key, value, scaling, specd_attn.on(query.device),
                                  sliding_window), None

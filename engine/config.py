@@ -11,6 +11,16 @@ DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 DeviceMap = str | dict[str, int | str]
 
 
+class CompileMode(enum.Enum):
+    OFF = "off"
+    START = "start"  # compiled before the engine serves: start-up waits (minutes on first use of a machine)
+    # Served eagerly at once while a thread compiles; the models switch to their compiled forwards together when
+    # every warm-up is done (CPU only: on CUDA the graphs capture the compiled forwards at start-up).
+    BACKGROUND = "background"
+    # BACKGROUND where compiling was measured to pay (float32 on CPU, with a C++ compiler for inductor), else OFF.
+    AUTO = "auto"
+
+
 class SpeculativeMethod(enum.Enum):
     # Prompt lookup beside whichever drafters are configured: the draft model, the target's early layers, or both.
     HYBRID = "hybrid"
@@ -51,7 +61,9 @@ class EngineConfig:
     seed: int = 0
     trust_remote_code: bool = False
     audit_fraction: float = 0.0  # of finished greedy requests, re-run without speculation and compared
-    compile: bool = False  # torch.compile the decode and verify forwards of the target and the draft
+    # torch.compile the decode and verify forwards of the target and the draft: a CompileMode or its value;
+    # True and False mean START and OFF.
+    compile: CompileMode | str | bool = CompileMode.OFF
     prefix_caching: bool = True  # reuse the KV blocks of a prefix an earlier request computed (engine.block_manager)
     grammar_drafts: bool = True  # draft the tokens a request's grammar forces, for free (engine.speculative.drafting)
     # Decode and verify forwards padded to static buckets and replayed as CUDA graphs (engine.graphs).
@@ -70,6 +82,13 @@ class EngineConfig:
                 raise ValueError(
                     f"speculative_method must be one of {valid}, got {self.speculative_method!r}"
                 ) from None
+        if not isinstance(self.compile, CompileMode):
+            value = {True: "start", False: "off"}.get(self.compile, self.compile)  # type: ignore[call-overload]
+            try:
+                object.__setattr__(self, "compile", CompileMode(value))
+            except ValueError:
+                valid = ", ".join(m.value for m in CompileMode)
+                raise ValueError(f"compile must be one of {valid}, got {self.compile!r}") from None
         method = self.speculative_method
         if method in (SpeculativeMethod.DRAFT_MODEL, SpeculativeMethod.EAGLE) and not self.draft_model:
             raise ValueError(f"speculative_method={method.value!r} needs draft_model")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 
-from engine.config import EngineConfig, SpeculativeMethod
+from engine.config import CompileMode, EngineConfig, SpeculativeMethod
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
@@ -13,7 +13,9 @@ from engine.stats import SpecDecodeStats
 
 
 class LLM:
-    """Batched generation with speculative decoding. ``num_speculative_tokens=None`` is adaptive."""
+    """Batched generation with speculative decoding. ``num_speculative_tokens=None`` is adaptive. ``compile``:
+    a CompileMode or its value (True: compiled at start-up; "background": generate at once, compiled once
+    ready)."""
 
     def __init__(
         self,
@@ -36,7 +38,7 @@ class LLM:
         seed: int = 0,
         trust_remote_code: bool = False,
         audit_fraction: float = 0.0,
-        compile: bool = False,
+        compile: CompileMode | str | bool = False,
         prefix_caching: bool = True,
         grammar_drafts: bool = True,
         cuda_graphs: bool | None = None,

@@ -62,6 +62,18 @@ class LLMEngine:
         self.last_step: StepStats | None = None
         self._grammars: GrammarBackend | None = None  # built by the first structured request
         self._grammars_lock = threading.Lock()
+        self.compile_mode = loaded.compile_mode  # config.compile as resolved here (AUTO is gone)
+        self._compiled = [r.compiled for r in (loaded.target, loaded.draft, loaded.early_exit)
+                          if r is not None and getattr(r, "compiled", None) is not None]
+        # Started after make_drafting's calibration, whose timed forwards are eager then, as the first steps are.
+        self.background_compile = loaded.background.start() if loaded.background is not None else None
+
+    @property
+    def compile_state(self) -> str:
+        """off (nothing compiled), compiling (some model still serves eagerly while its warm-up runs),
+        compiled, or failed (a model's compile failed: it runs eagerly)."""
+        states = {c.state for c in self._compiled}
+        return next((s for s in ("compiling", "failed", "compiled") if s in states), "off")
 
     # ---- requests -------------------------------------------------------------------------------
 

@@ -10,10 +10,11 @@ from typing import Any
 
 from transformers import AutoTokenizer, GenerationConfig
 
-from engine.config import EngineConfig, SpeculativeMethod
+from engine.compiled import BackgroundWarmUp, resolve_mode
+from engine.config import CompileMode, EngineConfig, SpeculativeMethod
 from engine.graphs import Buckets
 from engine.host_memory import keep_freed_memory
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 from engine.speculative import exit_head
 from engine.speculative.eagle import EagleRunner
 from engine.speculative.eagle_head import ARCHITECTURE, is_eagle_head
@@ -36,7 +37,10 @@ class Loaded:
     tokenizer: Any | None
     eos_ids: tuple[int, ...]
     max_model_len: int
-    num_blocks: int
+    num_blocks: int  # the block manager's; the cache may hold more (a background compile's own)
+    compile_mode: CompileMode = CompileMode.OFF  # what config.compile came to on this machine (resolve_mode)
+    # The compile warm-ups still to run, in a thread of their own (CompileMode.BACKGROUND): not started yet.
+    background: BackgroundWarmUp | None = None
 
 
 def load_tokenizer(path: str, trust_remote_code: bool) -> Any | None:
@@ -109,13 +113,17 @@ def _exit_head(path: Path, target: ModelRunner, layers: int) -> ExitHead | None:
 
 def load(config: EngineConfig) -> Loaded:
     t0 = time.perf_counter()
+    eagle = config.uses_draft_model and is_eagle_head(config.draft_model or "")
+    device = resolve_device(config.device)
+    split = config.device_map is not None
+    mode = resolve_mode(config.compile, device, resolve_dtype(config.dtype, device), split, eagle)  # type: ignore[arg-type]
+    compile = mode is not CompileMode.OFF
     target = ModelRunner(config.model, config.dtype, config.device, config.trust_remote_code, config.device_map,
-                         config.compile)
+                         compile)
     if "cpu" in {d.type for d in target.layer_devices or [target.device]}:
         keep_freed_memory()  # a batched step's large temporaries met fresh pages from the kernel in some processes
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     draft: ModelRunner | EagleRunner | None = None
-    eagle = config.uses_draft_model and is_eagle_head(config.draft_model or "")
     if config.speculative_method is SpeculativeMethod.EAGLE and not eagle:
         raise ValueError(f"speculative_method 'eagle' needs draft_model to be an EAGLE-3 head (a config.json with "
                          f"architectures [{ARCHITECTURE!r}]); {config.draft_model} is not one")
@@ -131,7 +139,7 @@ def load(config: EngineConfig) -> Loaded:
         draft_tok = load_tokenizer(config.draft_model, config.trust_remote_code)
         check_same_tokenizer(tokenizer, draft_tok, config.model, config.draft_model)
         draft = ModelRunner(config.draft_model, config.dtype, config.device, config.trust_remote_code,
-                            compile=config.compile)
+                            compile=compile)
         if draft.device != target.device:
             # The draft's distributions meet the target's logits in verification, on one device.
             raise ValueError(
@@ -162,17 +170,27 @@ def load(config: EngineConfig) -> Loaded:
             f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, fewer than one sequence "
             f"of max_model_len {max_model_len} needs ({per_seq}); raise the KV budget or lower max_model_len"
         )
-    target.allocate_cache(num_blocks, config.block_size)
+    # A background compile writes its warm-up forwards into blocks of its own, past the block manager's.
+    reserved = ModelRunner.warm_up_blocks(config.k_max, config.block_size) if mode is CompileMode.BACKGROUND else 0
+    target.allocate_cache(num_blocks + reserved, config.block_size)
     if draft:
-        draft.allocate_cache(num_blocks, config.block_size)
+        draft.allocate_cache(num_blocks + reserved, config.block_size)
     early_exit = None
     if config.uses_self_draft:
         head_path = exit_head.find(config.model) if config.exit_head else None
         layers = config.draft_layers if config.draft_layers is not None else default_draft_layers(target, head_path)
         head = _exit_head(head_path, target, layers) if head_path is not None else None
         early_exit = ModelRunner.early_exit(target, layers, head)
-    for runner in (target, draft, early_exit):
-        if isinstance(runner, ModelRunner):
+    compiled = [r for r in (target, draft, early_exit) if isinstance(r, ModelRunner) and r.compiled is not None]
+    background = None
+    if mode is CompileMode.BACKGROUND:
+        logger.info("compile background: serving eagerly while %s compile in a thread of their own",
+                    " and ".join(r.name for r in compiled))
+        background = BackgroundWarmUp([
+            (r.compiled, lambda r=r: r.warm_up_compiled(config.k_max, num_blocks)) for r in compiled  # type: ignore[misc]
+        ])
+    else:
+        for runner in compiled:
             runner.warm_up_compiled(config.k_max)
     graphs = use_cuda_graphs(config, target)
     if graphs and eagle:
@@ -208,4 +226,4 @@ def load(config: EngineConfig) -> Loaded:
         max_model_len,
     )
     eos = eos_token_ids(config.model, target, tokenizer)
-    return Loaded(target, draft, early_exit, tokenizer, eos, max_model_len, num_blocks)
+    return Loaded(target, draft, early_exit, tokenizer, eos, max_model_len, num_blocks, mode, background)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,12 @@ logger = logging.getLogger(__name__)
 _PROBE_IMPL = "specd_probe"
 # Attention features a model may ask for that SDPA over the paged cache would silently ignore.
 _UNSUPPORTED_ATTENTION_KWARGS = {"softcap": "logit soft-capping", "s_aux": "sinks", "sinks": "sinks"}
+
+
+# The warm-up's sequences: their context, and the rows of its batched layouts (two such sequences are past
+# small_linear's fused products: the graph batched steps use).
+_WARM_UP_CONTEXT = 40
+_WARM_UP_ROWS = small_linear.SMALL_ROWS // 2 + 1
 
 
 class UnsupportedModelError(ValueError):
@@ -155,7 +162,7 @@ class ModelRunner:
             # truncate gave the short model its own child dict: replacing its head leaves the target's in place
             name = next(n for n, m in runner.model.named_children() if m is head)
             runner.model._modules[name] = exit_head.to(head.weight.device, target.dtype)
-        runner._keep = None
+        runner._rows = threading.local()
         # The head is the target's own module (unless an exit head replaced it): both runners' row selections
         # hook it, each a no-op while its own runner is not the one running.
         runner.model.get_output_embeddings().register_forward_pre_hook(runner._select_rows)
@@ -179,8 +186,10 @@ class ModelRunner:
         if head is None:
             raise UnsupportedModelError(f"architecture {archs} has no output embeddings (LM head)")
         # The LM head runs on the rows that need logits only, selected just before it on its own device (a split
-        # model's last): transformers' logits_to_keep would index there with a tensor from the first device.
-        self._keep: torch.Tensor | None = None
+        # model's last): transformers' logits_to_keep would index there with a tensor from the first device. Per
+        # thread (``keep``), as a background compile's forwards run beside the serving thread's (dynamo guards the
+        # attribute read like any other).
+        self._rows = threading.local()
         head.register_forward_pre_hook(self._select_rows)
         text_config = self.model.config.get_text_config()
         self.vocab_size: int = text_config.vocab_size
@@ -217,11 +226,12 @@ class ModelRunner:
         self.aux_ids = tuple(layer_ids)
 
     def _select_rows(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
-        if self._keep is None:
+        keep = getattr(self._rows, "keep", None)
+        if keep is None:
             return None
         hidden = args[0]  # [1, T, hidden]
         # index_select: on CPU far cheaper than advanced indexing (~10 ms a call on a 32-sequence bf16 batch).
-        return (hidden.index_select(1, self._keep.to(hidden.device)), *args[1:])
+        return (hidden.index_select(1, keep.to(hidden.device)), *args[1:])
 
     def _probe_layer_shapes(self) -> list[LayerShape]:
         """Learn each layer's K/V shape by running one token, whatever the config calls them."""
@@ -280,21 +290,29 @@ class ModelRunner:
         call = self.compiled.fn if self.compiled is not None else None
         self.static = StaticForward(self.model, self.cache, buckets, self.device, self.name, call, paged_kernel)
 
-    def warm_up_compiled(self, k_max: int) -> float:
-        """Compile the layouts decode, verify and draft catch-up steps use, before any request: one
+    @staticmethod
+    def warm_up_blocks(k_max: int, block_size: int) -> int:
+        """The blocks ``warm_up_compiled`` writes into, at most."""
+        return 2 * -(-(_WARM_UP_CONTEXT + max(k_max + 1, _WARM_UP_ROWS)) // block_size)
+
+    def warm_up_compiled(self, k_max: int, first_block: int = 0) -> float:
+        """Compile the layouts decode, verify and draft catch-up steps use, before any request runs them: one
         sequence (its blocks in order or not) decoding, verifying k_max drafts or catching up, and two
         sequences over a gathered cache, masked or not, within small_linear.SMALL_ROWS rows and past it.
-        Writes into blocks nobody owns yet. Returns the seconds it took (0 without compile)."""
+        Writes into blocks ``first_block`` on (``warm_up_blocks`` of them, fewer in a small cache), which
+        nobody may own: unowned ones at start-up, or ones kept out of the block manager for a background
+        compile. Returns the seconds it took (0 without compile)."""
         if self.compiled is None:
             return 0.0
         assert self.cache is not None
-        bs, n = self.cache.block_size, self.cache.num_blocks
-        # Two sequences of `big` rows are past small_linear's fused products: the graph batched steps use.
-        big = small_linear.SMALL_ROWS // 2 + 1
+        bs, n = self.cache.block_size, self.cache.num_blocks - first_block
+        big = _WARM_UP_ROWS
         extra = max(k_max + 1, big)
-        ctx = max(2, min(40, (n // 2) * bs - extra))  # two sequences' worth of blocks, even in a small cache
+        # two sequences' worth of blocks, even in a small cache
+        ctx = max(2, min(_WARM_UP_CONTEXT, (n // 2) * bs - extra))
         need = -(-(ctx + extra) // bs)
-        one, other = list(range(need)), list(range(2 * need - 1, need - 1, -1))
+        one = list(range(first_block, first_block + need))
+        other = list(range(first_block + 2 * need - 1, first_block + need - 1, -1))
         # dynamo specialises on which of the layout's optional parts are present (a contiguous span, a mask,
         # a selection of logits rows): one layout per combination a step can bring, or the first request
         # that brings a new one waits for its compile.
@@ -313,6 +331,12 @@ class ModelRunner:
             ForwardBatch([[0] * (k_max + 1), [0]], [ctx, ctx // 2], [one, other], [k_max + 1, 1]),
             ForwardBatch([[0] * (k_max + 1)] * 2, [ctx, ctx // 2], [one, other], [k_max + 1] * 2),  # all verifying
             ForwardBatch([[0] * 3, [0] * 2], [ctx, ctx // 2], [one, other], [1, 1]),
+            # every sequence feeding as many tokens, one logits row each: a draft model catching up a batch whose
+            # drafts were all accepted, or short prompts of one length admitted together (ran eagerly until
+            # this layout was here), within SMALL_ROWS rows and past it
+            ForwardBatch([[0] * 2] * 2, [ctx, ctx // 2], [one, other], [1, 1]),
+            ForwardBatch([[0] * 2] * big, [ctx, ctx // 2] * (big // 2) + [ctx], [one, other] * (big // 2) + [one],
+                         [1] * big),
             ForwardBatch([[0] * big] * 2, [ctx, ctx // 2], [one, other], [big] * 2),
             ForwardBatch([[0] * big, [0] * (big - 1)], [ctx, ctx // 2], [one, other], [big, big - 1]),  # mixed k
             # short prompts admitted together, of unequal lengths
@@ -354,7 +378,7 @@ class ModelRunner:
         # The tokens stay a tensor of their own, as the draft loop's (already on the device) are: a compiled graph
         # specialises on an input's storage offset (0, 1 or more) as on a size, so they must not differ in it.
         input_ids = batch.ids(self.device)  # [1, T]
-        self._keep = t.get("keep")
+        self._rows.keep = t.get("keep")
         inputs = dict(input_ids=input_ids, position_ids=meta.positions[None], use_cache=False)
         inputs[attention.METADATA_KWARG] = meta
         try:
@@ -363,7 +387,7 @@ class ModelRunner:
             else:
                 out = self.model(**inputs)
         finally:
-            self._keep = None
+            self._rows.keep = None
         if self.aux_ids:
             # The early exit shares these layers and fires the hooks too: only the target's own forward is kept.
             self.aux = torch.cat([self._aux_parts[i][0].to(self.device) for i in self.aux_ids], dim=-1)

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.tracing import tracing
+
 # At most this many rows take the fused loop: 2.2x faster than MKL at 3 to 10 rows on a target-shaped stack,
 # and faster than packed oneDNN at 1 and 5 rows for both models of the embedded pair; between 10 and 16 oneDNN
 # wins for the target and loses for the draft (benchmarks/compiled_linear.py).
@@ -59,7 +61,7 @@ class SmallRowsLinear(nn.Linear):
         rows = x.numel() // x.shape[-1]
         # With dynamic shapes this adds a guard (rows <= SMALL_ROWS), so a larger batch compiles a graph of its own.
         # Inference only (the engine's forwards run under inference_mode): the realising prim has no backward.
-        fused = torch.compiler.is_compiling() and not torch.is_grad_enabled() and x.device.type == "cpu"
+        fused = tracing() and not torch.is_grad_enabled() and x.device.type == "cpu"
         if not fused or (rows > SMALL_ROWS and self.packed_key is None):
             return F.linear(x, self.weight, self.bias)
         if rows > SMALL_ROWS:

@@ -103,6 +103,7 @@ def create_app(
             if state.draining:  # shut down while loading: nothing to serve
                 return
             state.metrics.declare_methods(draft_methods(engine))
+            state.metrics.declare_compile(lambda: engine.compile_state)
             observers = [state.metrics] if state.stats_log is None else [state.metrics, state.stats_log]
             async_engine = AsyncEngine(engine, config.max_queue, observers=observers, on_fatal=fail)
             state.serving = Serving(
@@ -181,7 +182,11 @@ def create_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         status = state.status
-        return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
+        body = {"status": status}
+        if status == "ready" and state.serving is not None:
+            # "compiling": serving already, its decode forwards still eager until then (--compile background)
+            body["compile"] = state.serving.engine.compile_state
+        return JSONResponse(body, status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

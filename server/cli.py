@@ -13,7 +13,16 @@ from types import FrameType
 
 import uvicorn
 
-from server.config import API_KEY_ENV, CONFIG_ENV, ENV_PREFIX, METHODS, ConfigError, ServerConfig, load_config
+from server.config import (
+    API_KEY_ENV,
+    COMPILE_MODES,
+    CONFIG_ENV,
+    ENV_PREFIX,
+    METHODS,
+    ConfigError,
+    ServerConfig,
+    load_config,
+)
 
 logger = logging.getLogger("server")
 
@@ -89,9 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         f"compared (specd:spec_decode_audit_total; default {d.audit_fraction})",
     )
     s.add_argument(
-        "--compile", action="store_true",
-        help="torch.compile the target's and the draft's decode and verify forwards; compiled at start-up, with "
-        "progress in the log (off by default: on a 2-core CPU it gained 0-20%% for a minute or two of compiling)",
+        "--compile", nargs="?", const="start", choices=COMPILE_MODES, metavar="{auto,off,start,background}",
+        help="torch.compile the target's and the draft's decode and verify forwards, with progress in the log: "
+        "start = before serving (--compile alone), background = serve eagerly at once and switch to the compiled "
+        "forwards when they are ready, auto = background on CPU in float32 where a C++ compiler is found, else "
+        f"off (default {d.compile}; the first compile on a machine takes minutes, later ones read inductor's cache)",
     )
     s.add_argument(
         "--cuda-graphs", action=argparse.BooleanOptionalAction,

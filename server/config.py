@@ -22,6 +22,7 @@ DEFAULT_TARGET = DEFAULT_PAIR / "target"
 DEFAULT_DRAFT = DEFAULT_PAIR / "draft"
 DEFAULT_EAGLE = DEFAULT_PAIR / "eagle"  # the EAGLE-3 head trained for the embedded target (recipe.eagle)
 DEFAULT_SERVED_NAME = "specd-default"
+COMPILE_MODES = ("auto", "off", "start", "background")  # engine.CompileMode's values
 ENV_PREFIX = "SPECD_"  # SPECD_<OPTION IN CAPITALS> sets any option below
 API_KEY_ENV = "SPECD_API_KEY"
 CONFIG_ENV = "SPECD_CONFIG"  # the YAML file, when --config is not given
@@ -63,7 +64,9 @@ class ServerConfig:
     seed: int = 0
     trust_remote_code: bool = False
     audit_fraction: float = 0.0  # of finished greedy requests, re-run without speculation and compared
-    compile: bool = False  # torch.compile the decode and verify forwards (compiled at start-up)
+    # torch.compile the decode and verify forwards: auto (background on CPU in float32 with a C++ compiler, else
+    # off) | off | start (compiled before serving) | background (served eagerly until compiled)
+    compile: str = "auto"
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes earlier requests computed
     grammar_drafts: bool = True  # with speculation on, draft what a request's grammar forces (free)
     token_healing: bool = False  # the default of requests that leave token_healing unset (engine.structured.healing)
@@ -89,6 +92,8 @@ class ServerConfig:
             raise ConfigError(f"draft_layers must be >= 1, got {self.draft_layers}")
         if self.draft_layers is not None and self.method not in ("self", "hybrid"):
             raise ConfigError(f"draft_layers is for speculative_method self or hybrid, not {self.method}")
+        if self.compile not in COMPILE_MODES:
+            raise ConfigError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
         for name in ("max_n", "max_stop_sequences", "max_body_bytes"):
@@ -265,6 +270,8 @@ def read_yaml(path: str) -> dict[str, Any]:
             raise ConfigError(f"config file {path}: unknown option {key!r} (known: {', '.join(sorted(known))})")
         if name == "num_speculative_tokens" and value in ("adaptive", "auto"):
             value = None
+        if name == "compile" and isinstance(value, bool):
+            value = "start" if value else "off"  # YAML reads a bare off/on/true/false as a boolean
         if name == "device_map" and isinstance(value, dict):
             value = json.dumps(value)  # a YAML mapping, the same as the flag's JSON text
         if name == "cors_allow_origins" and isinstance(value, list):

@@ -41,6 +41,7 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                480.0, 960.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 GRAMMAR_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+COMPILE_STATES = ("off", "compiling", "compiled", "failed")  # LLMEngine.compile_state
 MAX_ACCEPTED_LENGTH = 17  # k <= 16: 1..17 tokens per verify step, one bucket each
 
 
@@ -185,6 +186,16 @@ class Metrics:
             "specd:request_queue_time_seconds", "Queued for the engine to the start of its first scheduled step.",
             QUEUE_BUCKETS,
         )
+
+    def declare_compile(self, state: Callable[[], str]) -> None:
+        """``specd:compile_state``, read from the engine at each scrape: 1 for its state, 0 for the others (the
+        exposition of prometheus_client's Enum, whose value is set, not read when scraped)."""
+        family = Gauge(
+            "specd:compile_state", "torch.compile of the decode and verify forwards: off, compiling (served eagerly "
+            "until ready), compiled, or failed (served eagerly).", ["model_name", "state"], registry=self.registry,
+        )
+        for name in COMPILE_STATES:
+            family.labels(self.model_name, name).set_function(lambda name=name: float(state() == name))
 
     def declare_methods(self, methods: Iterable[str]) -> None:
         """Series at zero, from the first scrape, for the draft sources the engine was built with (before it

@@ -20,6 +20,9 @@ from tests.tiny_models import (
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# Servers the tests start from flags or the environment run eagerly unless a test asks otherwise: the default
+# (compile auto: a background compile on CPU) would have each of them compiling beside the suite's other work.
+os.environ.setdefault("SPECD_COMPILE", "off")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # The tiny models' forwards are Python-bound and run on one core; with several workers each keeps its

@@ -42,19 +42,23 @@ LLAMACPP_DRAFT = ("--spec-type", "draft-simple", "--spec-draft-n-max", "3", "--s
 def systems(target: str, draft: str, device: str) -> list[System]:
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     specd = ("-m", "server", "serve", "--model", target, "--dtype", dtype, "--device", device, "--max-num-seqs", "64")
+    eager = ("--compile", "off")  # the server's default compiles in the background where it pays (CPU, float32)
     ts = ("-m", "transformers.cli.transformers", "serve", target, "--device", device, "--dtype", dtype)
     gen = ("--target", target, "--device", device)
     return [
-        System("specd adaptive", "server", (*specd, "--draft-model", draft, "--speculative-method", "hybrid"),
+        System("specd adaptive", "server", (*specd, "--draft-model", draft, "--speculative-method", "hybrid", *eager),
                speculative=True),
-        System("specd draft", "server", (*specd, "--draft-model", draft, "--speculative-method", "draft_model"),
-               speculative=True),
+        System("specd draft", "server",
+               (*specd, "--draft-model", draft, "--speculative-method", "draft_model", *eager), speculative=True),
         System("specd adaptive compiled", "server",
                (*specd, "--draft-model", draft, "--speculative-method", "hybrid", "--compile"),
                speculative=True, default=False),
-        System("specd none", "server", (*specd, "--speculative-method", "none")),
+        # The server as it starts with no --compile flag: measured once its background compile is done.
+        System("specd adaptive default", "server", (*specd, "--draft-model", draft, "--speculative-method", "hybrid"),
+               speculative=True, default=False),
+        System("specd none", "server", (*specd, "--speculative-method", "none", *eager)),
         System("specd none compiled", "server", (*specd, "--speculative-method", "none", "--compile"), default=False),
-        System("specd ngram", "server", (*specd, "--speculative-method", "ngram"), speculative=True),
+        System("specd ngram", "server", (*specd, "--speculative-method", "ngram", *eager), speculative=True),
         System("transformers serve", "server", ts),
         System("transformers serve --cb", "server", (*ts, "--continuous-batching")),
         System("generate assisted", "generate", (*gen, "--mode", "assisted", "--draft", draft)),
@@ -128,11 +132,14 @@ class Running:
         return httpx.get(self.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """``timeout``: by default 300 s, and 1800 s for a system with --compile, whose first start on a machine
-        compiles every warm-up layout (10-15 min for the default pair on 2 cores; a later start reads inductor's
-        cache)."""
+        """Until the server is ready and done compiling (/health's "compile" is not "compiling"). ``timeout``: by
+        default 300 s, and 1800 s for a system that compiles, whose first start on a machine compiles every
+        warm-up layout (10-15 min for the default pair on 2 cores; a later start reads inductor's cache)."""
         if timeout is None:
-            timeout = 1800.0 if "--compile" in self.system.args else 300.0
+            args = self.system.args
+            specd = args[:2] == ("-m", "server")
+            eager = "--compile" in args and args[args.index("--compile") + 1 :][:1] == ("off",)
+            timeout = 1800.0 if specd and not eager else 300.0
         deadline = time.monotonic() + timeout
         if self.system.kind == "generate":
             line = self.proc.stdout.readline()
@@ -143,7 +150,8 @@ class Running:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.system.name} exited with {self.proc.returncode}; see {self.log.name}")
             try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                health = httpx.get(self.base_url + "/health", timeout=2)
+                if health.status_code == 200 and health.json().get("compile") != "compiling":
                     self.model_id = self._model_id()
                     return
             except httpx.HTTPError:

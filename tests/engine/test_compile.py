@@ -1,21 +1,25 @@
-"""torch.compile of the decode and verify forwards (LLM(compile=True), --compile): still lossless, long
-prefill chunks stay eager, and a compiled forward that fails falls back to eager with the same output."""
+"""torch.compile of the decode and verify forwards (LLM(compile=...), --compile): compiled in the background while
+serving eagerly, then switched; still lossless; long prefill chunks stay eager; and a compiled forward that
+fails falls back to eager with the same output."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.model_runner import ForwardBatch
+from engine import LLM, CompileMode, SamplingParams
+from engine.compiled import BackgroundWarmUp
+from engine.model_runner import ForwardBatch, ModelRunner
 from tests.engine.lossless import MAX_NEW, Reference, assert_same_as_target
 from tests.engine.test_lossless_sampling import chi_square_p, engine_samples, exact_joint
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
 # Prompts over the 8-token vocabulary of the sampling tests' peaky pair.
 PROMPTS = [[1, 2, 3, 1, 2], [7, 0, 4], [5, 5, 6, 1, 0, 2, 3], [4]]
+K = 3
 
 
 @pytest.fixture(scope="module")
@@ -29,16 +33,81 @@ def pair8(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def compiled_llm(pair8) -> LLM:
+def held_llm(pair8) -> LLM:
     """One compiled engine for every test here: a cold inductor compile of a target and a draft costs ~100 s on
-    CI's 2 cores (a fresh checkout misses the compile cache), so the greedy and sampling checks share it."""
-    return LLM(model=str(pair8 / "target"), draft_model=str(pair8 / "draft"), speculative_method="draft_model",
-               num_speculative_tokens=3, dtype="float32", device="cpu", max_num_seqs=512,
-               max_num_batched_tokens=4096, seed=1234, compile=True)
+    CI's 2 cores (a fresh checkout misses the compile cache), so every check shares it. Compiled in the
+    background (the server's default on CPU), its thread held until the first test starts it by hand."""
+    start = BackgroundWarmUp.start
+    BackgroundWarmUp.start = lambda self: self  # type: ignore[method-assign]
+    try:
+        return LLM(model=str(pair8 / "target"), draft_model=str(pair8 / "draft"), speculative_method="draft_model",
+                   num_speculative_tokens=K, dtype="float32", device="cpu", max_num_seqs=512,
+                   max_num_batched_tokens=4096, seed=1234, compile="background")
+    finally:
+        BackgroundWarmUp.start = start  # type: ignore[method-assign]
 
 
-def runners(llm: LLM):
+@pytest.fixture
+def compiled_llm(held_llm) -> LLM:
+    """The module's engine with its background compile done (started here when a test runs on its own)."""
+    background = held_llm.engine.background_compile
+    assert background is not None
+    if background.thread.ident is None:
+        background.thread.start()
+    assert background.join(timeout=1800)
+    return held_llm
+
+
+def runners(llm: LLM) -> list[ModelRunner]:
     return [llm.engine.target, *(d.runner for d in llm.engine.drafting.drafters)]
+
+
+def test_requests_are_served_eagerly_before_the_background_compile_and_compiled_after_it(held_llm, pair8):
+    llm = held_llm
+    engine, ref = llm.engine, Reference(pair8 / "target", eos=7)
+    background = engine.background_compile
+    assert background is not None and background.thread.ident is None, "run this test first: it starts the compile"
+    assert engine.compile_mode is CompileMode.BACKGROUND and engine.compile_state == "compiling"
+    # the warm-up's own blocks: past the block manager's, in both caches
+    extra = ModelRunner.warm_up_blocks(K, engine.config.block_size)
+    assert all(r.cache.num_blocks == engine.block_manager.num_blocks + extra for r in runners(llm))
+
+    for p, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
+        assert_same_as_target(ref, p, out.token_ids, "before the compile")
+    assert all(r.compiled.calls == 0 and r.compiled.warming_in is not None for r in runners(llm)), "not eager"
+
+    # While it compiles: requests keep being served, the target's output throughout.
+    background.thread.start()
+    served = 0
+    while background.thread.is_alive() or served == 0:
+        for p, out in zip(PROMPTS[:2], llm.generate(PROMPTS[:2], GREEDY)):
+            assert_same_as_target(ref, p, out.token_ids, "during the compile")
+        served += 1
+        time.sleep(0.5)  # room for the compile: served back to back, the GIL they share made it 4x slower
+    assert background.join(timeout=0)
+    assert background.seconds is not None and engine.compile_state == "compiled"
+
+    before = [r.compiled.calls for r in runners(llm)]
+    for p, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
+        assert_same_as_target(ref, p, out.token_ids, "after the compile")
+    for runner, calls in zip(runners(llm), before):
+        assert runner.compiled.frozen and runner.compiled.warming_in is None
+        assert runner.compiled.calls > calls, f"{runner.name} never ran compiled"
+        assert runner.compiled.uncompiled == 0, f"{runner.name} met a layout its warm-up did not compile"
+
+
+def test_a_failed_background_warm_up_leaves_the_model_eager_and_serving(pair8, monkeypatch, caplog):
+    def broken(self, k_max, first_block=0):  # noqa: ANN001, ANN202
+        raise RuntimeError("an inductor failure")
+
+    monkeypatch.setattr(ModelRunner, "warm_up_compiled", broken)
+    llm = LLM(model=str(pair8 / "target"), speculative_method="none", dtype="float32", device="cpu",
+              compile="background")
+    assert llm.engine.background_compile is not None and llm.engine.background_compile.join(timeout=60)
+    assert llm.engine.compile_state == "failed" and "they run eagerly" in caplog.text
+    ref = Reference(pair8 / "target", eos=7)
+    for p, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
+        assert_same_as_target(ref, p, out.token_ids, "after a failed compile")
 
 
 def test_compiled_speculation_is_lossless_and_really_compiled(compiled_llm, pair8):
@@ -103,16 +172,17 @@ def test_a_long_prefill_chunk_runs_eagerly_with_the_same_logits(compiled_llm, pa
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_a_failing_compiled_forward_falls_back_to_eager_with_the_same_output(compiled_llm, pair8, caplog):
-    # the target's graphs are the module engine's, so its warm-up finds them in the compile cache
-    llm = LLM(model=str(pair8 / "target"), speculative_method="none", dtype="float32", device="cpu", compile=True)
-    compiled = llm.engine.target.compiled
+def test_a_failing_compiled_forward_falls_back_to_eager_with_the_same_output(compiled_llm, pair8, caplog,
+                                                                              monkeypatch):
+    compiled = compiled_llm.engine.target.compiled
 
     def broken(**inputs):  # noqa: ANN003, ANN202
         raise RuntimeError("an inductor failure")
 
-    compiled._compiled = broken
-    outs = llm.generate(PROMPTS[:3], GREEDY)
+    # the module's engine, restored afterwards (another engine would cost a compile of its own)
+    monkeypatch.setattr(compiled, "_compiled", broken)
+    monkeypatch.setattr(compiled, "failed", False)
+    outs = compiled_llm.generate(PROMPTS[:3], GREEDY)
     assert compiled.failed and "running it eagerly" in caplog.text
     ref = Reference(pair8 / "target", eos=7)
     for p, out in zip(PROMPTS[:3], outs):

@@ -9,6 +9,7 @@ from torch import nn
 from torch._inductor.utils import run_and_get_code
 
 from engine import small_linear
+from engine.tracing import compiled_call
 
 
 class Two(nn.Module):
@@ -40,7 +41,8 @@ def test_compiled_few_rows_are_a_fused_loop_and_more_rows_a_packed_onednn_produc
     want = model(x)
     small_linear.install(model)
     torch._dynamo.reset()
-    with torch.inference_mode():  # as the engine runs its forwards
+    # as the engine runs its forwards: in inference mode, the call marked as a compiled one (engine.tracing)
+    with torch.inference_mode(), compiled_call():
         got, code = run_and_get_code(torch.compile(model, dynamic=True), x)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     gemm_calls = sum(src.count("mm(") for src in code)

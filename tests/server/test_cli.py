@@ -78,6 +78,27 @@ def test_cuda_graphs_follow_the_device_unless_a_flag_a_variable_or_the_yaml_deci
     assert parse_config(["serve", "--model", "org/m"]).cuda_graphs is True
 
 
+def test_compile_is_auto_unless_a_flag_a_variable_or_the_yaml_decides(monkeypatch, tmp_path):
+    from engine import CompileMode
+
+    monkeypatch.delenv("SPECD_COMPILE")  # the suite's servers run eagerly (tests/conftest.py)
+    assert parse_config(["serve", "--model", "org/m"]).engine_config().compile is CompileMode.AUTO
+    assert parse_config(["serve", "--model", "org/m", "--compile"]).engine_config().compile is CompileMode.START
+    for mode in CompileMode:
+        assert parse_config(["serve", "--model", "org/m", "--compile", mode.value]).engine_config().compile is mode
+    path = tmp_path / "c.yaml"
+    for written, mode in (("off", "off"), ("false", "off"), ("true", "start"), ("background", "background")):
+        path.write_text(f"model: org/m\ncompile: {written}\n")  # YAML reads off, false and true as booleans
+        assert parse_config(["serve", "--config", str(path)]).compile == mode
+    monkeypatch.setenv("SPECD_COMPILE", "background")
+    assert parse_config(["serve", "--model", "org/m"]).compile == "background"
+    monkeypatch.setenv("SPECD_COMPILE", "sometimes")
+    with pytest.raises(ConfigError, match="compile must be one of auto, off, start, background, got 'sometimes'"):
+        parse_config(["serve", "--model", "org/m"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--compile", "sometimes"])
+
+
 def test_paged_attention_is_auto_unless_a_flag_a_variable_or_the_yaml_decides(monkeypatch, tmp_path):
     assert parse_config(["serve", "--model", "org/m"]).engine_config().paged_attention == "auto"
     assert parse_config(["serve", "--model", "org/m", "--paged-attention", "gather"]).engine_config().paged_attention \

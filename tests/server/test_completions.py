@@ -180,7 +180,9 @@ def test_models_health_and_metrics(server):
     assert models[0].owned_by == "specd" and card["root"].endswith(MODEL)
     assert card["draft_model"].endswith("llama-draft") and card["speculative_method"] == "draft_model"
     assert server.client().models.retrieve(MODEL).id == MODEL
-    assert server.get("/health").json() == {"status": "ready"}
+    assert server.get("/health").json() == {"status": "ready", "compile": "off"}
+    assert server.metric("specd:compile_state", model_name=MODEL, state="off") == 1.0
+    assert server.metric("specd:compile_state", model_name=MODEL, state="compiling") == 0.0
     before = server.metric("specd:generation_tokens_total", model_name=MODEL)
     drafted = server.metric("specd:spec_decode_num_draft_tokens_total", model_name=MODEL)
     complete(server.client(), prompt=PROMPT, max_tokens=8, ignore_eos=True, **GREEDY)

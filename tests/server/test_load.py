@@ -40,7 +40,7 @@ def gauges(live) -> tuple[float, float, float]:
 
 def assert_idle_and_lossless(live, ref: Reference, tokenizer_dir) -> None:
     live.wait_until(lambda: gauges(live) == (0.0, 0.0, 0.0), timeout=10, what="/metrics to read an idle engine")
-    assert live.get("/health").json() == {"status": "ready"}
+    assert live.get("/health").json() == {"status": "ready", "compile": "off"}
     e = live.engine
     assert (e.num_running, e.num_waiting, e.block_manager.usage, len(e.seqs)) == (0, 0, 0.0, 0)
     assert live.async_engine.num_in_flight == 0

@@ -1,0 +1,37 @@
+"""--compile background over HTTP: the server is ready at once, serving while its models compile, and /health
+and specd:compile_state say where the compile stands (compiling, then compiled or failed)."""
+
+from __future__ import annotations
+
+from engine.compiled import BackgroundWarmUp
+from engine.model_runner import ModelRunner
+from tests.server.conftest import MODEL, tiny_engine
+
+
+def state(live) -> dict[str, float]:
+    return {s: live.metric("specd:compile_state", model_name=MODEL, state=s)
+            for s in ("off", "compiling", "compiled", "failed")}
+
+
+def test_a_background_compile_serves_at_once_and_reports_its_state(make_server, model_sets, monkeypatch):
+    held: list[BackgroundWarmUp] = []
+    monkeypatch.setattr(BackgroundWarmUp, "start", lambda self: held.append(self) or self)  # run below, by hand
+    ms = model_sets["llama"]
+    live = make_server(tiny_engine(ms.target, compile="background"), compile="background")
+    assert live.get("/health").json() == {"status": "ready", "compile": "compiling"}
+    assert state(live) == {"off": 0.0, "compiling": 1.0, "compiled": 0.0, "failed": 0.0}
+    client = live.client()
+    eager = client.completions.create(model=MODEL, prompt="def fib(n):", max_tokens=12, temperature=0.0)
+    assert eager.usage.completion_tokens == 12
+
+    # A warm-up that fails leaves the model eager and serving, and says so (a real compile: tests/engine).
+    def broken(self, k_max, first_block=0):  # noqa: ANN001, ANN202
+        raise RuntimeError("an inductor failure")
+
+    monkeypatch.setattr(ModelRunner, "warm_up_compiled", broken)
+    held[0].thread.start()
+    assert held[0].join(timeout=30)
+    assert live.get("/health").json() == {"status": "ready", "compile": "failed"}
+    assert state(live) == {"off": 0.0, "compiling": 0.0, "compiled": 0.0, "failed": 1.0}
+    again = client.completions.create(model=MODEL, prompt="def fib(n):", max_tokens=12, temperature=0.0)
+    assert again.choices[0].text == eager.choices[0].text
