@@ -190,10 +190,9 @@ class BackgroundWarmUp:
 
     def __init__(self, jobs: list[tuple[CompiledForward, Callable[[], object]]]) -> None:
         self.jobs = jobs
-        for compiled, _ in jobs:
-            shield_from_tracing(compiled.model)
         self.thread = threading.Thread(target=self._run, name="specd-compile", daemon=True)
         for compiled, _ in jobs:
+            shield_from_tracing(compiled.model)
             compiled.warming_in = self.thread
         self.seconds: float | None = None  # all of it, once done
 

@@ -117,9 +117,9 @@ def load(config: EngineConfig) -> Loaded:
     device = resolve_device(config.device)
     split = config.device_map is not None
     mode = resolve_mode(config.compile, device, resolve_dtype(config.dtype, device), split, eagle)  # type: ignore[arg-type]
-    compile = mode is not CompileMode.OFF
+    compiles = mode is not CompileMode.OFF
     target = ModelRunner(config.model, config.dtype, config.device, config.trust_remote_code, config.device_map,
-                         compile)
+                         compiles)
     if "cpu" in {d.type for d in target.layer_devices or [target.device]}:
         keep_freed_memory()  # a batched step's large temporaries met fresh pages from the kernel in some processes
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
@@ -139,7 +139,7 @@ def load(config: EngineConfig) -> Loaded:
         draft_tok = load_tokenizer(config.draft_model, config.trust_remote_code)
         check_same_tokenizer(tokenizer, draft_tok, config.model, config.draft_model)
         draft = ModelRunner(config.draft_model, config.dtype, config.device, config.trust_remote_code,
-                            compile=compile)
+                            compile=compiles)
         if draft.device != target.device:
             # The draft's distributions meet the target's logits in verification, on one device.
             raise ValueError(

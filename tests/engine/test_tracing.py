@@ -21,7 +21,7 @@ def test_a_compile_elsewhere_in_the_process_does_not_make_eager_code_take_the_tr
     with torch.compiler._compile_session_context(), torch.inference_mode():
         assert torch.compiler.is_compiling()
         assert not tracing()
-        assert torch.equal(layer(x), want)  # F.linear itself, not the fused loop run eagerly (50x slower)
+        assert torch.equal(layer(x), want)  # F.linear itself, not the fused loop run eagerly
         with compiled_call():
             assert tracing()  # the thread that entered a compiled forward is the one tracing it
         assert not tracing()
