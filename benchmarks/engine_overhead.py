@@ -5,7 +5,9 @@ into a temp dir. Acceptance means nothing with random weights; what this measure
 each decode step spent outside the models' own forward passes:
 
   model   time inside ``model(...)`` (transformers' modules, including the paged attention function
-          they call per layer), target + draft, measured with forward hooks on the top-level model
+          they call per layer), target + draft, measured with forward hooks on the top-level model;
+          with --compile, time inside the runners' compiled forwards (dynamo's guard checks included;
+          a hook would not run inside the compiled graph)
   prep    ``ModelRunner.forward`` minus ``model``: attention metadata, input tensors, row selection,
           float32 logits copy (our per-forward preparation)
   rest    step minus ``ModelRunner.forward``: scheduling, drafter bookkeeping and draft sampling,
@@ -17,6 +19,7 @@ The engine's own StepStats give the coarser 1 - (target_seconds + draft_seconds)
     python benchmarks/engine_overhead.py                       # bf16, CPU, batch 1 and 32, off/draft/ngram
     python benchmarks/engine_overhead.py --profile             # plus cProfile of draft k=4 decode steps
     python benchmarks/engine_overhead.py --dtype float32 --device cuda
+    python benchmarks/engine_overhead.py --dtype float32 --compile   # the issue-14 check: compiled forwards
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.compiled import CompiledForward  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 
 VOCAB = 32000
@@ -79,18 +83,10 @@ class Timers:
             torch.cuda.synchronize()
 
     def instrument(self, runner) -> None:  # noqa: ANN001
-        key = id(runner.model)
-
-        def pre(module, args, kwargs):  # noqa: ANN001, ANN202
-            self.sync()
-            self._t0[key] = time.perf_counter()
-
-        def post(module, args, kwargs, output):  # noqa: ANN001, ANN202
-            self.sync()
-            self.model += time.perf_counter() - self._t0[key]
-
-        runner.model.register_forward_pre_hook(pre, with_kwargs=True)
-        runner.model.register_forward_hook(post, with_kwargs=True)
+        if runner.compiled is not None:
+            self._instrument_compiled(runner.compiled)
+        else:
+            self._instrument_eager(runner.model)
         inner = runner.forward
 
         def forward(batch):  # noqa: ANN001, ANN202
@@ -102,6 +98,37 @@ class Timers:
                 self.runner += time.perf_counter() - t0
 
         runner.forward = forward  # instance attribute: the engine and the drafter call runner.forward
+
+    def _instrument_compiled(self, compiled: CompiledForward) -> None:
+        """Every model call of a compiled runner goes through its CompiledForward (compiled, or eager for a
+        prefill or a fallback): a subclass that times __call__ (looked up on the type, so not an attribute)."""
+        timers = self
+
+        class Timed(type(compiled)):  # type: ignore[misc]
+            def __call__(self, compiled: bool, **inputs):  # noqa: ANN003, ANN204
+                timers.sync()
+                t0 = time.perf_counter()
+                try:
+                    return super().__call__(compiled, **inputs)
+                finally:
+                    timers.sync()
+                    timers.model += time.perf_counter() - t0
+
+        compiled.__class__ = Timed
+
+    def _instrument_eager(self, model: torch.nn.Module) -> None:
+        key = id(model)
+
+        def pre(module, args, kwargs):  # noqa: ANN001, ANN202
+            self.sync()
+            self._t0[key] = time.perf_counter()
+
+        def post(module, args, kwargs, output):  # noqa: ANN001, ANN202
+            self.sync()
+            self.model += time.perf_counter() - self._t0[key]
+
+        model.register_forward_pre_hook(pre, with_kwargs=True)
+        model.register_forward_hook(post, with_kwargs=True)
 
 
 @dataclass
@@ -220,6 +247,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = leave)")
     ap.add_argument("--profile", action="store_true", help="cProfile the draft-model decode steps")
+    ap.add_argument("--compile", action="store_true",
+                    help="compile the decode and verify forwards at start-up (--compile start); minutes per config")
     ap.add_argument("--workdir", default=None, help="reuse/keep the built models here")
     ap.add_argument("--out", default=None, help="write the markdown table here")
     args = ap.parse_args()
@@ -248,7 +277,8 @@ def main() -> None:
     )
     print(desc)
     print(f"dtype {args.dtype}, device {args.device}, torch threads {torch.get_num_threads()}, "
-          f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, ignore_eos, k={args.k}")
+          f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, ignore_eos, k={args.k}, "
+          f"{'compiled' if args.compile else 'eager'} forwards")
 
     results = []
     for name in configs:
@@ -262,7 +292,7 @@ def main() -> None:
         t0 = time.perf_counter()
         llm = LLM(str(tdir), dtype=args.dtype, device=args.device, max_model_len=256, max_num_seqs=max(batches),
                   max_num_batched_tokens=max(2048, max(batches) * args.prompt_len),
-                  num_kv_blocks=max(batches) * (256 // 16 + 1), **kw)
+                  num_kv_blocks=max(batches) * (256 // 16 + 1), compile="start" if args.compile else "off", **kw)
         timers = Timers(cuda=llm.engine.device.type == "cuda")
         timers.instrument(llm.engine.target)
         for runner in draft_runners(llm.engine):
@@ -277,6 +307,10 @@ def main() -> None:
             results.append(res)
             print(HEADER.splitlines()[0] if len(results) == 1 else "", end="\n" if len(results) == 1 else "")
             print(res.row(), flush=True)
+        for runner in [llm.engine.target, *draft_runners(llm.engine)]:
+            if runner.compiled is not None:  # a forward outside the warm-up's layouts runs eagerly: say how many
+                print(f"[{name}] {runner.name}: {runner.compiled.calls} forwards compiled, "
+                      f"{runner.compiled.uncompiled} decode/verify forwards uncompiled", flush=True)
         del llm
 
     table = HEADER + "\n" + "\n".join(r.row() for r in results)

@@ -293,7 +293,7 @@ class ModelRunner:
     @staticmethod
     def warm_up_blocks(k_max: int, block_size: int) -> int:
         """The blocks ``warm_up_compiled`` writes into, at most."""
-        return 2 * -(-(_WARM_UP_CONTEXT + max(k_max + 1, _WARM_UP_ROWS)) // block_size)
+        return 2 * -(-(_WARM_UP_CONTEXT + max(k_max + 1, 2 * _WARM_UP_ROWS)) // block_size)
 
     def warm_up_compiled(self, k_max: int, first_block: int = 0) -> float:
         """Compile the layouts decode, verify and draft catch-up steps use, before any request runs them: one
@@ -307,7 +307,7 @@ class ModelRunner:
         assert self.cache is not None
         bs, n = self.cache.block_size, self.cache.num_blocks - first_block
         big = _WARM_UP_ROWS
-        extra = max(k_max + 1, big)
+        extra = max(k_max + 1, 2 * big)  # the most tokens one sequence feeds
         # two sequences' worth of blocks, even in a small cache
         ctx = max(2, min(_WARM_UP_CONTEXT, (n // 2) * bs - extra))
         need = -(-(ctx + extra) // bs)
@@ -324,7 +324,10 @@ class ModelRunner:
             # past SMALL_ROWS, verifying fewer drafts than k_max is another graph
             for rows in sorted({k_max + 1, min(k_max + 1, small_linear.SMALL_ROWS)}) for table in (one, other)
         ] + [
-            ForwardBatch([[0] * 3], [ctx], [table], [1]) for table in (one, other)  # a catch-up: one row's logits
+            ForwardBatch([[0] * rows], [ctx], [table], [1])
+            # a catch-up or a short prompt: one row's logits, from at most SMALL_ROWS rows or more (a prompt of
+            # up to attention.SHORT_QUERY tokens arriving alone ran eagerly until this layout was here)
+            for rows in (3, 2 * big) for table in (one, other)
         ] + [
             ForwardBatch([[0], [0]], [ctx, ctx // 2], [one, other], [1, 1]),
             ForwardBatch([[0], [0]], [ctx, ctx], [one, other], [1, 1]),  # equal contexts: no mask
@@ -337,6 +340,8 @@ class ModelRunner:
             ForwardBatch([[0] * 2] * 2, [ctx, ctx // 2], [one, other], [1, 1]),
             ForwardBatch([[0] * 2] * big, [ctx, ctx // 2] * (big // 2) + [ctx], [one, other] * (big // 2) + [one],
                          [1] * big),
+            # and more of them than the LM head's SMALL_ROWS (it then takes its rows packed)
+            ForwardBatch([[0] * 2] * (2 * big), [ctx, ctx // 2] * big, [one, other] * big, [1] * (2 * big)),
             ForwardBatch([[0] * big] * 2, [ctx, ctx // 2], [one, other], [big] * 2),
             ForwardBatch([[0] * big, [0] * (big - 1)], [ctx, ctx // 2], [one, other], [big, big - 1]),  # mixed k
             # short prompts admitted together, of unequal lengths

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, CompileMode, SamplingParams
+from engine import LLM, CompileMode, SamplingParams, small_linear
 from engine.compiled import BackgroundWarmUp
 from engine.model_runner import ForwardBatch, ModelRunner
 from tests.engine.lossless import MAX_NEW, Reference, assert_same_as_target
@@ -117,6 +117,22 @@ def test_compiled_speculation_is_lossless_and_really_compiled(compiled_llm, pair
         assert_same_as_target(ref, p, out.token_ids, "compiled target and draft")
     for runner, (calls, uncompiled) in zip(runners(compiled_llm), before):
         assert runner.compiled.calls > calls and not runner.compiled.failed, f"{runner.name} never ran compiled"
+        assert runner.compiled.uncompiled == uncompiled, f"{runner.name} met a layout its warm-up did not compile"
+
+
+def test_short_prompts_alone_or_many_at_once_meet_no_uncompiled_layout(compiled_llm, pair8):
+    """A prompt of up to SHORT_QUERY tokens is fed through the compiled path: one of more than small_linear's rows
+    alone (its LM head then takes one row), and more prompts of one length admitted together than the head's
+    rows (it then takes them packed) were both missing from the warm-up and ran eagerly."""
+    ref = Reference(pair8 / "target", eos=7)
+    alone = [[(3 * i) % 7 for i in range(small_linear.SMALL_ROWS + 4)]]
+    together = [[(i + j) % 7 for j in range(5)] for i in range(small_linear.SMALL_ROWS + 4)]
+    before = [(r.compiled.calls, r.compiled.uncompiled) for r in runners(compiled_llm)]
+    for prompts in (alone, together):
+        for p, out in zip(prompts, compiled_llm.generate(prompts, GREEDY)):
+            assert_same_as_target(ref, p, out.token_ids, "short prompts, compiled")
+    for runner, (calls, uncompiled) in zip(runners(compiled_llm), before):
+        assert runner.compiled.calls > calls, f"{runner.name} never ran compiled"
         assert runner.compiled.uncompiled == uncompiled, f"{runner.name} met a layout its warm-up did not compile"
 
 
