@@ -23,10 +23,12 @@ serve: install
 
 test: install
 	$(PY) -m ruff check engine server recipe tests benchmarks
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -n auto --dist loadfile
 
 lint: install
 	$(PY) -m ruff check engine server recipe tests benchmarks
+	$(VENV)/bin/lint-imports
 
 bench: install
 	$(PY) benchmarks/bench_engine.py

@@ -1,4 +1,4 @@
-"""Compiled CPU forwards with each linear-layer path of engine/small_linear.py, side by side in one process.
+"""Compiled CPU forwards with each linear-layer path of engine/layers/small_linear.py, side by side in one process.
 
     python benchmarks/compiled_linear.py [--pair models/default] [--repeats 30] [--json PATH]
 
@@ -30,11 +30,11 @@ from cpu_attention import BLOCKS, BS, scattered_batch  # this script's own direc
 from peer_bench.prompts import code_prompts
 from transformers import AutoTokenizer
 
-from engine import small_linear
+from engine.layers import small_linear
+from engine.layers.tracing import tracing
 from engine.llm import LLM
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.tracing import tracing
+from engine.types.sampling_params import SamplingParams
+from engine.worker.model_runner import ModelRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = [(1, 1), (1, 5), (2, 5), (4, 4), (4, 5), (8, 4), (32, 1), (32, 3)]  # (G sequences, Q tokens each)

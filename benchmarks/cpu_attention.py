@@ -1,4 +1,4 @@
-"""The CPU attention kernel (engine/cpu_attention.py) against the gather + SDPA path it replaces.
+"""The CPU attention kernel (engine/layers/cpu_attention.py) against the gather + SDPA path it replaces.
 
     python benchmarks/cpu_attention.py [--pair models/default] [--repeats 40] [--json PATH]
 
@@ -24,15 +24,15 @@ import torch
 import torch.nn.functional as F
 from forward_cost import copy_bandwidth  # this script's own directory is on sys.path
 
-from engine import cpu_attention
-from engine.model_runner import ForwardBatch, ModelRunner
+from engine.layers import cpu_attention
+from engine.worker.model_runner import ForwardBatch, ModelRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BS = 16
 
 
 def _gather_sdpa(q, k_cache, v_cache, slots, positions, scale) -> torch.Tensor:
-    """What engine.attention does without the kernel: [G, Q, H, D]."""
+    """What engine.layers.attention does without the kernel: [G, Q, H, D]."""
     G, C = slots.shape
     k = k_cache.index_select(0, slots.view(-1)).view(G, C, *k_cache.shape[1:]).permute(0, 2, 1, 3)
     v = v_cache.index_select(0, slots.view(-1)).view(G, C, *v_cache.shape[1:]).permute(0, 2, 1, 3)

@@ -9,7 +9,7 @@ through specd's ModelRunner on a paged cache, every sequence at a context of ``-
   draft      the draft model, 1 token per sequence (a speculative step runs it k times)
 
 at batch 1 and 64, eagerly (transformers' modules launched from Python, per-step metadata built on
-the host) and as replayed CUDA graphs in static buckets (engine.graphs). Each time is the median of
+the host) and as replayed CUDA graphs in static buckets (engine.worker.graphs). Each time is the median of
 ``--iters`` forwards, each one synchronised (as the engine reads every step's result).
 
 The floor of a forward is the bytes it must read, divided by the copy bandwidth measured on the same
@@ -35,8 +35,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.graphs import Buckets  # noqa: E402
-from engine.model_runner import ForwardBatch, ModelRunner  # noqa: E402
+from engine.worker.graphs import Buckets  # noqa: E402
+from engine.worker.model_runner import ForwardBatch, ModelRunner  # noqa: E402
 
 BLOCK = 16
 

@@ -39,8 +39,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.compiled import CompiledForward  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
+from engine.worker.compiled import CompiledForward  # noqa: E402
+from engine.worker.model_runner import ModelRunner  # noqa: E402
 
 VOCAB = 32000
 

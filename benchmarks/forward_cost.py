@@ -4,7 +4,7 @@
 
 For each model: the median time of one decode forward (1 token) and one verify forward (k + 1 tokens)
 through specd's ModelRunner over a paged cache at a 128-token context, eager and with torch.compile
-(engine.compiled), measured alternately in one process so machine noise hits both alike. The floor is
+(engine.worker.compiled), measured alternately in one process so machine noise hits both alike. The floor is
 the bytes of the weights divided by the memory copy bandwidth measured here (a large tensor copied),
 the least any implementation must pay per forward at batch 1. The draft cost ratio c is the draft's
 decode forward over the target's.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model_runner import ForwardBatch, ModelRunner
+from engine.worker.model_runner import ForwardBatch, ModelRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONTEXT, K = 128, 4

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import RequestOutput, StepStats  # noqa: E402
-from engine.stats import SourceStepStats  # noqa: E402
+from engine.types.stats import SourceStepStats  # noqa: E402
 from server.async_engine import AsyncEngine  # noqa: E402
 from server.metrics import Metrics  # noqa: E402
 from server.request_stats import RequestInfo, RequestTracking  # noqa: E402

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 from peer_bench.prompts import _snippets  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.core.llm_engine import LLMEngine  # noqa: E402
 
 PAIR = ROOT / "models" / "default"
 PREFIX, TAIL, FEW_SHOT_NEW = 384, 16, 32

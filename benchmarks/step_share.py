@@ -19,7 +19,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
-from engine.stats import StepStats
+from engine.types.stats import StepStats
 from recipe.evaluate import held_out_prompts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

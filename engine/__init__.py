@@ -1,27 +1,49 @@
-"""specd's engine: lossless, batched speculative decoding over transformers models."""
+"""specd's engine: lossless, batched speculative decoding over transformers models.
 
-from engine.config import CompileMode, EngineConfig, SpeculativeMethod
+This module and ``engine.llm`` are the engine's public face: server/ and recipe/ import from here only (an
+import-linter contract in pyproject.toml holds them to it). Below it the subpackages, each importing only
+those listed after it: core, speculative, sample | worker, models | sched | structured | layers, types."""
+
+from engine.core.audit import AuditResult
+from engine.core.llm_engine import LLMEngine, check_text
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParamError, SamplingParams
-from engine.sequence import TokenLogprob
-from engine.stats import SpecDecodeStats, StepStats
-from engine.structured.constraint import Constraint, ConstraintKind
+from engine.models import exit_head
+from engine.models.eagle_head import Eagle3Head, aux_layer_ids, save_head
+from engine.models.early_exit import decoder_layers, truncate
+from engine.models.exit_head import ExitHead
+from engine.types.config import CompileMode, EngineConfig, SpeculativeMethod
+from engine.types.constraint import Constraint, ConstraintKind
+from engine.types.draft_state import GRAMMAR_SOURCE
+from engine.types.errors import SamplingParamError
+from engine.types.outputs import CompletionOutput, RequestOutput
+from engine.types.sampling_params import SamplingParams
+from engine.types.sequence import TokenLogprob
+from engine.types.stats import SourceStats, SpecDecodeStats, StepStats
 
 __all__ = [
+    "GRAMMAR_SOURCE",
     "LLM",
+    "AuditResult",
     "CompileMode",
     "CompletionOutput",
     "Constraint",
     "ConstraintKind",
+    "Eagle3Head",
     "EngineConfig",
+    "ExitHead",
     "LLMEngine",
     "RequestOutput",
     "SamplingParamError",
     "SamplingParams",
+    "SourceStats",
     "SpecDecodeStats",
     "SpeculativeMethod",
     "StepStats",
     "TokenLogprob",
+    "aux_layer_ids",
+    "check_text",
+    "decoder_layers",
+    "exit_head",
+    "save_head",
+    "truncate",
 ]

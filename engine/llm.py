@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 
-from engine.config import CompileMode, EngineConfig, SpeculativeMethod
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput
-from engine.sampling_params import SamplingParams
-from engine.stats import SpecDecodeStats
+from engine.core.llm_engine import LLMEngine
+from engine.types.config import CompileMode, EngineConfig, SpeculativeMethod
+from engine.types.outputs import CompletionOutput
+from engine.types.sampling_params import SamplingParams
+from engine.types.stats import SpecDecodeStats
 
 
 class LLM:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, PretrainedConfig
 
-from engine.speculative.eagle_head import Eagle3Head, aux_layer_ids, save_head
+from engine import Eagle3Head, aux_layer_ids, save_head
 from recipe.corpus import CorpusFile
 from recipe.data import random_windows
 from recipe.distill import param_count, pick_device

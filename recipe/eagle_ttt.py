@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
-from engine.speculative.eagle_head import Eagle3Head
+from engine import Eagle3Head
 
 STEP_DECAY = 0.8  # step s's loss is weighted 0.8**s, EAGLE-3's choice
 

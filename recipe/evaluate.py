@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import LLM, SamplingParams
-from engine.speculative import exit_head
+from engine import LLM, SamplingParams, exit_head
 from recipe import tokenizer as bpe
 from recipe.corpus import split, stdlib_files
 from recipe.data import eval_windows, token_stream

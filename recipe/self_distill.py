@@ -2,7 +2,7 @@
 
 Two parts, both online against the target's own next-token distribution p (no labels needed):
 
-- an exit head (engine.speculative.exit_head): a linear readout over a reduced draft vocabulary, placed where
+- an exit head (engine.models.exit_head): a linear readout over a reduced draft vocabulary, placed where
   the LM head was after the target's first L layers and its final norm, fitted by soft cross-entropy
   H(p restricted to the draft vocabulary, q_exit). The target itself is untouched, so its quality is too.
 - with ``tune_layers``, also layers [0, L) of the target, by the early-exit loss plus ``quality_weight`` x
@@ -26,9 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from engine.early_exit import decoder_layers, truncate
-from engine.speculative import exit_head
-from engine.speculative.exit_head import ExitHead
+from engine import ExitHead, decoder_layers, exit_head, truncate
 from recipe.corpus import CorpusFile
 from recipe.data import random_windows
 from recipe.distill import param_count, pick_device

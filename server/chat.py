@@ -10,8 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine import Constraint
-from engine.llm_engine import check_text
+from engine import Constraint, check_text
 from server import sse, structured, tools
 from server.async_engine import EngineRequest, RequestHandle
 from server.errors import bad_request, from_exception

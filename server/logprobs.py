@@ -7,7 +7,7 @@ import functools
 import re
 from typing import Any
 
-from engine.sequence import TokenLogprob
+from engine import TokenLogprob
 from server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprobEntry, TopLogprob
 
 _SP_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece byte-fallback tokens

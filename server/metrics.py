@@ -19,9 +19,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from engine import LLMEngine, RequestOutput, StepStats
-from engine.audit import AuditResult
-from engine.structured.forced import FORCED
+from engine import GRAMMAR_SOURCE, AuditResult, LLMEngine, RequestOutput, StepStats
 from server.count_histogram import CountHistogram
 from server.step_window import StepWindow
 
@@ -54,7 +52,7 @@ def draft_methods(engine: LLMEngine) -> list[str]:
     if drafting.lookup is not None:
         names.append(drafting.lookup.name)
     if drafting.config.grammar_drafts:
-        names.append(FORCED.name)
+        names.append(GRAMMAR_SOURCE)
     return names
 
 

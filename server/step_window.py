@@ -9,8 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from engine import StepStats
-from engine.stats import SourceStats
+from engine import SourceStats, StepStats
 
 
 @dataclass

@@ -173,7 +173,7 @@ def complete(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[str 
 
 
 def _arguments(value: object) -> str:
-    # The separators the engine's grammar writes JSON with (engine.structured.constraint.JSON_FORMAT).
+    # The separators the engine's grammar writes JSON with (engine.types.constraint.JSON_FORMAT).
     return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
 
 

@@ -112,7 +112,7 @@ def save_eagle_head(out: Path, seed: int, hidden: int = 64, draft_vocab: int | N
                     own_embeddings: bool = False) -> torch.nn.Module:
     """A random EAGLE-3 head in the published layout; with ``draft_vocab``, a reduced vocabulary of the even
     token ids 0, 2, 4, ..., then odd ones (so that d2t is not all zeros)."""
-    from engine.speculative.eagle_head import Eagle3Head, save_head
+    from engine.models.eagle_head import Eagle3Head, save_head
 
     torch.manual_seed(seed)
     head = Eagle3Head(eagle_head_config(hidden, draft_vocab), hidden, own_embeddings=own_embeddings)
@@ -129,7 +129,7 @@ def save_with_exit_head(target: Path, out: Path, seed: int, layers: int = 1, dra
     early exit's through the full head."""
     import shutil
 
-    from engine.speculative import exit_head
+    from engine.models import exit_head
 
     out.mkdir(parents=True, exist_ok=True)
     for f in target.iterdir():

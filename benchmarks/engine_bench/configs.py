@@ -10,8 +10,8 @@ import torch
 from transformers import GenerationConfig
 
 from engine import LLM, SamplingParams, StepStats
-from engine.model_runner import ModelRunner
 from engine.speculative.ngram import lookup
+from engine.worker.model_runner import ModelRunner
 
 from . import BATCH, VERIFY_SIZES
 from .timing import engine_forward_fn, hf_forward_fn, interleaved_medians

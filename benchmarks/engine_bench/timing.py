@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.model_runner import ForwardBatch, ModelRunner
+from engine.worker.model_runner import ForwardBatch, ModelRunner
 
 
 def interleaved_medians(fns: list[Callable[[], None]], reps: int) -> list[float]:

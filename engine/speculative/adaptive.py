@@ -11,7 +11,7 @@ the best k falls to 0: speculation stops where it does not pay.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from engine.types.draft_state import AcceptanceEstimate, SourceTrack
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -62,33 +62,6 @@ class LinearCost:
     def __call__(self, tokens: float) -> float:
         a, b = self.coefficients()
         return a + b * tokens
-
-
-@dataclass
-class AcceptanceEstimate:
-    """Exponentially weighted MLE of alpha under the geometric model: a step with k drafts and a
-    accepted is a accepted trials plus one rejected trial when a < k."""
-
-    hits: float = 0.0
-    trials: float = 0.0
-    decay: float = 0.8
-
-    def observe(self, k: int, accepted: int) -> None:
-        self.hits = self.decay * self.hits + accepted
-        self.trials = self.decay * self.trials + accepted + (1 if accepted < k else 0)
-
-    def value(self, prior: float, prior_weight: float = 2.0) -> float:
-        return (self.hits + prior * prior_weight) / (self.trials + prior_weight)
-
-
-@dataclass
-class SourceTrack:
-    """One sequence's history with one draft source, kept on the sequence (``seq.draft``)."""
-
-    alpha: AcceptanceEstimate | None = None  # None until the source has drafted for it
-    idle_steps: int = 0
-    probe_interval: int | None = None  # set once a probe accepted nothing
-    probing: bool = False
 
 
 class AdaptivePolicy:

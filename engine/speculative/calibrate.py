@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.model_runner import ForwardBatch, ModelRunner
 from engine.speculative.adaptive import AdaptivePolicy
+from engine.worker.model_runner import ForwardBatch, ModelRunner
 
 logger = logging.getLogger(__name__)
 

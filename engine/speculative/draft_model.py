@@ -6,12 +6,12 @@ import time
 
 import torch
 
-from engine import rng
-from engine.model_runner import ForwardBatch, ModelRunner
-from engine.sampling import probs_from_logits, process_logits, row_spec, sample_from
-from engine.sequence import Sequence
+from engine.sample import rng
+from engine.sample.sampling import probs_from_logits, process_logits, row_spec, sample_from
 from engine.speculative.source import DraftRequest, Proposal
 from engine.structured.grammar import apply_masks
+from engine.types.sequence import Sequence
+from engine.worker.model_runner import ForwardBatch, ModelRunner
 
 
 class DraftModelSource:

@@ -14,20 +14,20 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig, SpeculativeMethod
-from engine.model_runner import ModelRunner
-from engine.outputs import Verdict
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
 from engine.speculative.adaptive import AdaptivePolicy
 from engine.speculative.calibrate import calibrate
 from engine.speculative.draft_model import DraftModelSource
 from engine.speculative.eagle import EagleRunner, EagleSource
+from engine.speculative.forced import FORCED
 from engine.speculative.ngram import LookupSource
 from engine.speculative.self_draft import SelfDraftSource
 from engine.speculative.source import DraftRequest, DraftSource
-from engine.stats import shares
-from engine.structured.forced import FORCED
+from engine.types.config import EngineConfig, SpeculativeMethod
+from engine.types.outputs import Verdict
+from engine.types.schedule import ScheduledSeq
+from engine.types.sequence import Sequence
+from engine.types.stats import shares
+from engine.worker.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)

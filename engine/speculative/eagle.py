@@ -24,16 +24,16 @@ import time
 
 import torch
 
-from engine import attention
-from engine.kv_cache import LayerShape, PagedKVCache
-from engine.layout import build_metadata
-from engine.model_runner import ForwardBatch, ModelRunner
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
+from engine.layers import attention
+from engine.layers.kv_cache import LayerShape, PagedKVCache
+from engine.models.eagle_head import Eagle3Head, aux_layer_ids, load_head
 from engine.speculative.draft_model import DraftModelSource
-from engine.speculative.eagle_head import Eagle3Head, aux_layer_ids, load_head
 from engine.speculative.source import DraftRequest, Proposal
-from engine.staging import Uploader
+from engine.types.schedule import ScheduledSeq
+from engine.types.sequence import Sequence
+from engine.worker.layout import build_metadata
+from engine.worker.model_runner import ForwardBatch, ModelRunner
+from engine.worker.staging import Uploader
 
 # Logits outside the draft vocabulary: finite, so that a row whose grammar allows none of the draft
 # vocabulary still has a distribution (uniform over what it allows) rather than NaN.

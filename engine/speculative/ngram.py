@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from engine.sequence import Sequence
 from engine.speculative.source import DraftRequest, Proposal
+from engine.types.sequence import Sequence
 
 
 def lookup(tokens: list[int], n_max: int, n_min: int, k: int) -> list[int]:

@@ -12,8 +12,8 @@ which nothing reads before it is written again.
 
 from __future__ import annotations
 
-from engine.sequence import Sequence
 from engine.speculative.draft_model import DraftModelSource
+from engine.types.sequence import Sequence
 
 
 class SelfDraftSource(DraftModelSource):

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from engine.sequence import Sequence
+from engine.types.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from engine.sampling_params import SamplingParamError
-from engine.structured.constraint import Constraint
+from engine.types.constraint import Constraint
+from engine.types.errors import SamplingParamError
 
 
 class GrammarState:

@@ -10,7 +10,7 @@ Proposed tokens past that point are neither walked nor masked (``limit``), exact
 the lift would see them.
 
 What the client sees is unchanged in kind: ``text`` is what follows the original prompt (the healed
-text is cut from the front, engine.detokenizer.TextState.skip), ``token_ids`` are the generated ids,
+text is cut from the front, engine.types.detokenizer.TextState.skip), ``token_ids`` are the generated ids,
 whose first one(s) re-spell the healed text, and the usage counts the original prompt."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured.constraint import Constraint
 from engine.structured.grammar import GrammarBackend, GrammarState
+from engine.types.constraint import Constraint
 
 PARAM = "token_healing"
 

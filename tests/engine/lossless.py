@@ -73,10 +73,10 @@ def assert_same_as_target(ref: Reference, prompt: list[int], got: list[int], lab
 @torch.inference_mode()
 def sampled_top2_gap(ref: Reference, ids: list[int], seed: int, temperature: float, top_p: float) -> float:
     """Gap between the best two scores log p(i) - log E(i) of a seeded request's draw after ``ids``:
-    its token is their argmax (engine.speculative.verify), so below NEAR_TIE float rounding may flip it."""
-    from engine import rng
-    from engine.sampling import probs_from_logits
-    from engine.sampling_params import SamplingParams
+    its token is their argmax (engine.sample.verify), so below NEAR_TIE float rounding may flip it."""
+    from engine.sample import rng
+    from engine.sample.sampling import probs_from_logits
+    from engine.types.sampling_params import SamplingParams
 
     logits = ref.model(torch.tensor([ids])).logits[0, -1:].float()  # [1, V]
     probs = probs_from_logits(logits, [SamplingParams(temperature=temperature, top_p=top_p)])  # [1, V]

@@ -5,7 +5,7 @@ import json
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from engine.speculative.eagle_head import Eagle3Head, load_head
+from engine.models.eagle_head import Eagle3Head, load_head
 from recipe import draft_vocab
 from recipe.corpus import text_files
 from recipe.data import token_stream

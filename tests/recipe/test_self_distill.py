@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
-from engine.speculative import exit_head
+from engine.models import exit_head
 from recipe.corpus import text_files
 from recipe.self_distill import SelfSetup, exit_loss, train_exit
 from recipe.train import TrainConfig

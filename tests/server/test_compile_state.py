@@ -3,8 +3,8 @@ and specd:compile_state say where the compile stands (compiling, then compiled o
 
 from __future__ import annotations
 
-from engine.compiled import BackgroundWarmUp
-from engine.model_runner import ModelRunner
+from engine.worker.compiled import BackgroundWarmUp
+from engine.worker.model_runner import ModelRunner
 from tests.server.conftest import MODEL, tiny_engine
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engine.stats import SourceStepStats
+from engine.types.stats import SourceStepStats
 from server.cli import parse_config
 from server.config import ConfigError
 from server.stats_log import StatsLog

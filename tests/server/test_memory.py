@@ -169,7 +169,7 @@ def test_the_startup_log_reports_the_kv_cache_sized_from_the_budget_flag(soak_se
 def test_changing_the_kv_budget_flag_changes_the_reported_block_count(model_sets, caplog, budget_gb):
     ms = model_sets["llama"]
     config = parse_config(["serve", *model_flags(ms, budget_gb)])
-    with caplog.at_level(logging.INFO, logger="engine.loader"):
+    with caplog.at_level(logging.INFO, logger="engine.core.loader"):
         engine = LLMEngine(config.engine_config())
     (line,) = [m for r in caplog.records if (m := KV_LINE.search(r.getMessage()))]
     want, capped = expected_blocks(ms, budget_gb)

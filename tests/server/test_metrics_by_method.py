@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig, LLMEngine
-from engine.stats import SourceStepStats
+from engine.types.stats import SourceStepStats
 from server.metrics import Metrics, draft_methods
 from tests.server.conftest import MODEL
 from tests.server.test_metrics import GREEDY, Clock, Scrape, delta, step_stats

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.sched.block_manager import BlockManager
 from tests.engine.lossless import Reference, assert_equal_unless_near_tie
 from tests.server.conftest import MODEL, slow_steps, tiny_engine
 from tests.server.test_errors import error_of

@@ -56,7 +56,7 @@ def test_json_schema_chat_responses_parse_and_validate_against_the_schema(server
     for c in resp.choices:
         jsonschema_rs.validate(WEATHER, json.loads(c.message.content))
         assert c.message.tool_calls is None
-    # One fixed layout (engine.structured.constraint.JSON_FORMAT): what json.dumps writes.
+    # One fixed layout (engine.types.constraint.JSON_FORMAT): what json.dumps writes.
     assert all(c.message.content == json.dumps(json.loads(c.message.content), ensure_ascii=False) for c in resp.choices)
 
 

@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.model_runner import ForwardBatch, ModelRunner
+from engine.models.eagle_head import Eagle3Head, EagleHeadError, aux_layer_ids, load_head
 from engine.speculative.eagle import EagleRunner
-from engine.speculative.eagle_head import Eagle3Head, EagleHeadError, aux_layer_ids, load_head
+from engine.worker.model_runner import ForwardBatch, ModelRunner
 from tests.engine.lossless import prompts_for
 from tests.tiny_models import VOCAB, eagle_head_config, save_eagle_head
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
+from engine.core.llm_engine import LLMEngine
+from engine.types.config import EngineConfig
+from engine.types.schedule import ScheduledSeq
+from engine.types.sequence import Sequence
 
 REPEATING = [5, 6, 7, 8, 9, 5, 6, 7]  # the 3-gram (5, 6, 7) recurred: the lookup proposes 8, 9, ...
 FRESH = [11, 12, 13, 14, 15, 16, 17, 18]  # nothing recurs

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 from engine.speculative.ngram import LookupSource, NgramIndex, lookup
 from engine.speculative.source import DraftRequest
+from engine.types.sampling_params import SamplingParams
+from engine.types.sequence import Sequence
 
 
 def test_longest_matching_n_is_tried_first():

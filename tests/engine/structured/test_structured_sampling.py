@@ -7,7 +7,7 @@ the models and the regex's character classes alone (no engine code, no llguidanc
 test over many engine samples has real power.
 
 Two regexes: one whose third position is forced ('d'), so the grammar itself drafts it for free
-(engine.structured.forced) and the draft model drafts through it; one with no forced position, so
+(engine.speculative.forced) and the draft model drafts through it; one with no forced position, so
 every draft the draft model proposes from its masked q meets the rejection rule."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTr
 
 from engine import LLM, SamplingParams
 from engine.speculative.source import Proposal
-from engine.structured.constraint import Constraint
+from engine.types.constraint import Constraint
 from tests.engine.lossless import reference_transform
 
 LETTERS = "abcdefg"  # token i is LETTERS[i]: the ByteLevel alphabet maps ASCII letters to themselves

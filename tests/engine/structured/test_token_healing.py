@@ -8,7 +8,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from engine import LLM, Constraint, SamplingParams
-from engine.sampling_params import SamplingParamError
+from engine.types.errors import SamplingParamError
 
 MERGED = "\n   "  # one token in the tiny tokenizer: what a prompt ending in "\n" is cut short of
 PROMPTS = ["def fib(n):\n", "class Point:\n    def", "for i in range(10):\n", "x = [1, 2, ", "import os\n"]

@@ -1,0 +1,94 @@
+"""Linear layers on CPU under torch.compile: over a few rows one fused multiply-reduce loop, over more a
+oneDNN product with the weight packed in advance.
+
+At a few rows a linear layer is a matrix-vector product bound by reading its weight. On the
+project's CPU (AMD EPYC, AVX-512) MKL's sgemm reads the embedded target's 55 MB of weights in about
+7.5 ms at one to five rows, where a plain read of them takes 0.9 ms. Written as
+``(w[:, None, :] * x[None]).sum(-1)``, the same product is a reduction inductor generates itself:
+an outer loop over the weight's rows (split across threads) that reads each row once and keeps it
+in L1 while it takes the few inputs' dot products, vectorised along the row. Eager code keeps
+F.linear: unfused, the product would materialise a weight-sized temporary.
+
+Past SMALL_ROWS (batched decode and verify steps) the product goes to oneDNN with the weight reordered
+once, at install, into its blocked layout, rather than to MKL, whose sgemm runs well below this CPU's
+AVX-512 peak: compiled forwards of the embedded target at 20 to 96 rows 22-34% faster, the draft's 8-13%
+(benchmarks/compiled_linear.py). The packed copy is a second copy of those weights in memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.tracing import tracing
+
+# At most this many rows take the fused loop: 2.2x faster than MKL at 3 to 10 rows on a target-shaped stack,
+# and faster than packed oneDNN at 1 and 5 rows for both models of the embedded pair; between 10 and 16 oneDNN
+# wins for the target and loses for the draft (benchmarks/compiled_linear.py).
+SMALL_ROWS = 16
+
+
+# oneDNN-packed weights by key. A traced graph cannot carry oneDNN's opaque tensors (inductor takes them only as
+# frozen constants), so the custom op below receives the key, an int the graph holds as a constant, and looks
+# the packed weight up here; the layer itself keeps it alive.
+_PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+@torch.library.custom_op("specd::packed_linear", mutates_args=(), device_types="cpu")
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+    """``x`` [R, in] through the layer whose packed weight is ``_PACKED[key]`` (``weight`` [out, in], the same
+    values, gives the output's shape while tracing): [R, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _PACKED[key], bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+class SmallRowsLinear(nn.Linear):
+    """nn.Linear whose compiled CPU forward over at most SMALL_ROWS rows is a fused multiply-reduce, and over more
+    a packed oneDNN product."""
+
+    packed_key: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        # With dynamic shapes this adds a guard (rows <= SMALL_ROWS), so a larger batch compiles a graph of its own.
+        # Inference only (the engine's forwards run under inference_mode): the realising prim has no backward.
+        fused = tracing() and not torch.is_grad_enabled() and x.device.type == "cpu"
+        if not fused or (rows > SMALL_ROWS and self.packed_key is None):
+            return F.linear(x, self.weight, self.bias)
+        if rows > SMALL_ROWS:
+            y = packed_linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias, self.packed_key)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        # Realise the input first: left to itself inductor inlines the producer (an RMSNorm, SiLU(gate) * up) into
+        # the reduction's inner loop and recomputes it for every output feature, which made a 5-row forward 3-8x
+        # slower than MKL's instead of 2x faster.
+        flat = torch.ops.prims.inductor_force_stride_order(x.reshape(rows, x.shape[-1]), [x.shape[-1], 1])  # [R, in]
+        # [out, 1, in] * [1, R, in] summed over in: the weight's row is the outer loop, so it is read once
+        y = (self.weight[:, None, :] * flat[None]).sum(-1).t()  # [R, out]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def install(model: nn.Module) -> int:
+    """Turns the model's float32 CPU nn.Linear layers into SmallRowsLinear (same parameters, same eager
+    forward) with a packed copy of each weight where oneDNN is built in; returns how many."""
+    n = 0
+    for module in model.modules():
+        if type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
+            module.__class__ = SmallRowsLinear
+            if torch.backends.mkldnn.is_available():
+                # Reordered for 32 rows; measured as fast as a copy reordered for the actual rows from 1 to 96.
+                module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 32)
+                module.packed_key = next(_KEYS)
+                _PACKED[module.packed_key] = module.packed
+            n += 1
+    return n

@@ -1,0 +1,40 @@
+"""A step's schedule: who runs, with how many new tokens, draft slots and catch-up tokens. The scheduler
+(engine.sched) writes it; the runner, the drafters and the stats read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.types.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # fed from token_ids[num_computed:]
+    num_draft_slots: int  # capacity reserved for drafts; the drafter may fill fewer
+    num_catch_up: int = 0  # tokens its draft source processes before drafting (counted in the budget)
+
+    @property
+    def samples(self) -> bool:
+        """This step reaches the end of the sequence's known tokens, so it yields a token."""
+        return self.seq.num_computed + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    prefix_queried: int = 0  # tokens of the sequences admitted this step, looked up in the prefix cache
+    prefix_hit: int = 0  # of those, tokens found there
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens + s.num_draft_slots + s.num_catch_up for s in self.scheduled)

@@ -1,0 +1,207 @@
+"""Plain stats the engine emits; the server turns them into Prometheus series."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.types.draft_state import GRAMMAR_SOURCE
+
+if TYPE_CHECKING:
+    from engine.types.draft_state import DraftState
+    from engine.types.outputs import RequestOutput, Verdict
+    from engine.types.schedule import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class DraftShare:
+    """One source's drafts in one sequence's verified step: positions [start, start + drafted) of the
+    step's drafts, of which the first ``accepted`` were accepted."""
+
+    source: str
+    start: int
+    drafted: int
+    accepted: int
+
+
+def shares(draft: DraftState, num_drafts: int, num_accepted: int) -> tuple[DraftShare, ...]:
+    """Who proposed a verified step's drafts, in order: ``draft.source`` the first ones, the grammar
+    (engine.speculative.forced) those it forced, at [forced_at, forced_at + num_forced). ``num_accepted`` is the
+    accepted prefix of the ``num_drafts`` drafts. A source that proposed none of them is left out."""
+    own = min(draft.forced_at, num_drafts) if draft.num_forced else num_drafts
+    parts = ((draft.source, 0, own), (GRAMMAR_SOURCE, own, min(draft.num_forced, num_drafts - own)))
+    return tuple(
+        DraftShare(name, start, n, min(max(0, num_accepted - start), n)) for name, start, n in parts if name and n
+    )
+
+
+@dataclass(frozen=True)
+class SourceStepStats:
+    """One draft source's part of a step. A sequence-step counts once, in ``num_drafts`` of the source that
+    drafted first in it (grammar-forced drafts after a source's own add tokens to "grammar", not a sequence-step),
+    so that each field summed over the sources is the step's total."""
+
+    name: str
+    num_drafts: int  # sequence-steps whose drafts this source began
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: tuple[int, ...]  # by position among the step's drafts: 0 where it drafted none
+
+    @classmethod
+    def of(cls, per_seq: Iterable[tuple[DraftShare, ...]]) -> tuple[SourceStepStats, ...]:
+        """Each source's totals, in the order they first appear, from each drafting sequence's shares."""
+        sums: dict[str, tuple[int, int, int, list[int]]] = {}
+        for seq_shares in per_seq:
+            for i, s in enumerate(seq_shares):
+                drafts, tokens, accepted, pos = sums.get(s.source, (0, 0, 0, []))
+                pos.extend([0] * (s.start + s.drafted - len(pos)))
+                for j in range(s.start, s.start + s.accepted):
+                    pos[j] += 1
+                sums[s.source] = (drafts + (i == 0), tokens + s.drafted, accepted + s.accepted, pos)
+        return tuple(cls(name, d, t, a, tuple(pos)) for name, (d, t, a, pos) in sums.items())
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one engine step did. ``accepted_lengths`` has one entry per sequence that sampled:
+    the tokens it emitted (accepted drafts + 1)."""
+
+    num_scheduled: int
+    num_prompt_tokens: int  # prompt (or recomputed) tokens fed this step
+    num_generated_tokens: int  # tokens appended to outputs this step
+    num_drafts: int  # sequences that verified at least one draft
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: tuple[int, ...]
+    accepted_lengths: tuple[int, ...]
+    num_decoding: int  # sequences that sampled with at most one new token (plus drafts) this step
+    mean_k: float  # drafts verified per decoding sequence
+    num_preempted: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    draft_seconds: float
+    target_seconds: float
+    step_seconds: float
+    audit_results: tuple[str, ...] = ()  # losslessness audits judged this step: "match", "mismatch", "near_tie"
+    prefix_cache_queries: int = 0  # tokens of the sequences admitted this step, looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens whose K/V came from it
+    num_forced_draft_tokens: int = 0  # of num_draft_tokens, those the grammar forced (engine.speculative.forced)
+    num_forced_accepted_tokens: int = 0
+    grammar_seconds: float = 0.0  # computing grammar masks within the step
+    grammar_compile_seconds: tuple[float, ...] = ()  # one per structured request queued since the last step
+    by_source: tuple[SourceStepStats, ...] = ()  # the speculation fields above, split by the source that drafted
+
+    @classmethod
+    def of(
+        cls, sched: SchedulerOutput, verdicts: list[Verdict | None], outputs: list[RequestOutput], num_prompt: int,
+        audits: tuple[str, ...], num_running: int, num_waiting: int, kv_usage: float,
+        draft_seconds: float, target_seconds: float, step_seconds: float,
+        grammar_seconds: float = 0.0, grammar_compile_seconds: tuple[float, ...] = (),
+    ) -> StepStats:
+        drafted = [v for v in verdicts if v is not None and v.num_drafts]
+        by_source = SourceStepStats.of(shares(s.seq.draft, v.num_drafts, v.num_accepted)
+                                       for s, v in zip(sched.scheduled, verdicts) if v is not None and v.num_drafts)
+        forced = next((s for s in by_source if s.name == GRAMMAR_SOURCE), None)
+        pos_counts = [0] * max((v.num_drafts for v in drafted), default=0)
+        for v in drafted:
+            for j in range(v.num_accepted):
+                pos_counts[j] += 1
+        decoding = sum(1 for s, v in zip(sched.scheduled, verdicts) if v is not None and s.num_new_tokens == 1)
+        n_draft_tokens = sum(v.num_drafts for v in drafted)
+        return cls(
+            num_scheduled=len(sched.scheduled),
+            num_prompt_tokens=num_prompt,
+            num_generated_tokens=sum(len(o.new_token_ids) for o in outputs),
+            num_drafts=len(drafted),
+            num_draft_tokens=n_draft_tokens,
+            num_accepted_tokens=sum(v.num_accepted for v in drafted),
+            accepted_per_position=tuple(pos_counts),
+            accepted_lengths=tuple(v.num_accepted + 1 for v in drafted),
+            num_decoding=decoding,
+            mean_k=n_draft_tokens / decoding if decoding else 0.0,
+            num_preempted=len(sched.preempted),
+            prefix_cache_queries=sched.prefix_queried,
+            prefix_cache_hits=sched.prefix_hit,
+            num_running=num_running,
+            num_waiting=num_waiting,
+            kv_usage=kv_usage,
+            draft_seconds=draft_seconds,
+            target_seconds=target_seconds,
+            step_seconds=step_seconds,
+            audit_results=audits,
+            num_forced_draft_tokens=forced.num_draft_tokens if forced else 0,
+            num_forced_accepted_tokens=forced.num_accepted_tokens if forced else 0,
+            grammar_seconds=grammar_seconds,
+            grammar_compile_seconds=grammar_compile_seconds,
+            by_source=by_source,
+        )
+
+
+@dataclass
+class AuditStats:
+    """Cumulative losslessness audit results (engine.core.audit)."""
+
+    match: int = 0
+    mismatch: int = 0
+    near_tie: int = 0
+
+    def add(self, results: Iterable[str]) -> None:
+        for r in results:
+            setattr(self, r, getattr(self, r) + 1)
+
+
+@dataclass
+class SourceStats:
+    """One draft source's cumulative counts (SourceStepStats summed)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def add(self, step: SourceStepStats, sign: int = 1) -> None:
+        """``sign`` -1 takes a step back out (a sliding window)."""
+        self.num_drafts += sign * step.num_drafts
+        self.num_draft_tokens += sign * step.num_draft_tokens
+        self.num_accepted_tokens += sign * step.num_accepted_tokens
+
+
+@dataclass
+class SpecDecodeStats:
+    """Cumulative speculation counters since the engine started; ``by_source`` splits them by the source
+    that drafted (keyed by its name, e.g. "draft_model", "ngram", "self", "grammar")."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_forced_draft_tokens: int = 0
+    num_forced_accepted_tokens: int = 0
+    by_source: dict[str, SourceStats] = field(default_factory=dict)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify step: accepted drafts plus the recovered or bonus token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def add(self, step: StepStats) -> None:
+        self.num_drafts += step.num_drafts
+        self.num_draft_tokens += step.num_draft_tokens
+        self.num_accepted_tokens += step.num_accepted_tokens
+        self.num_forced_draft_tokens += step.num_forced_draft_tokens
+        self.num_forced_accepted_tokens += step.num_forced_accepted_tokens
+        pos = self.accepted_per_position
+        pos.extend([0] * (len(step.accepted_per_position) - len(pos)))
+        for i, n in enumerate(step.accepted_per_position):
+            pos[i] += n
+        for source in step.by_source:
+            self.by_source.setdefault(source.name, SourceStats()).add(source)

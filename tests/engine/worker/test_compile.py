@@ -1,0 +1,214 @@
+"""torch.compile of the decode and verify forwards (LLM(compile=...), --compile): compiled in the background while
+serving eagerly, then switched; still lossless; long prefill chunks stay eager; and a compiled forward that
+fails falls back to eager with the same output."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, CompileMode, SamplingParams
+from engine.layers import small_linear
+from engine.worker.compiled import BackgroundWarmUp
+from engine.worker.model_runner import ForwardBatch, ModelRunner
+from tests.engine.lossless import MAX_NEW, Reference, assert_same_as_target
+from tests.engine.core.test_lossless_sampling import chi_square_p, engine_samples, exact_joint
+
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+# Prompts over the 8-token vocabulary of the sampling tests' peaky pair.
+PROMPTS = [[1, 2, 3, 1, 2], [7, 0, 4], [5, 5, 6, 1, 0, 2, 3], [4]]
+K = 3
+
+
+@pytest.fixture(scope="module")
+def pair8(tmp_path_factory) -> Path:
+    from tests.engine.core.test_lossless_sampling import _peaky_model
+
+    root = tmp_path_factory.mktemp("vocab8c")
+    _peaky_model(root / "target", seed=11)
+    _peaky_model(root / "draft", seed=12)
+    return root
+
+
+@pytest.fixture(scope="module")
+def held_llm(pair8) -> LLM:
+    """One compiled engine for every test here: a cold inductor compile of a target and a draft costs ~100 s on
+    CI's 2 cores (a fresh checkout misses the compile cache), so every check shares it. Compiled in the
+    background (the server's default on CPU), its thread held until the first test starts it by hand."""
+    start = BackgroundWarmUp.start
+    BackgroundWarmUp.start = lambda self: self  # type: ignore[method-assign]
+    try:
+        return LLM(model=str(pair8 / "target"), draft_model=str(pair8 / "draft"), speculative_method="draft_model",
+                   num_speculative_tokens=K, dtype="float32", device="cpu", max_num_seqs=512,
+                   max_num_batched_tokens=4096, seed=1234, compile="background")
+    finally:
+        BackgroundWarmUp.start = start  # type: ignore[method-assign]
+
+
+@pytest.fixture
+def compiled_llm(held_llm) -> LLM:
+    """The module's engine with its background compile done (started here when a test runs on its own)."""
+    background = held_llm.engine.background_compile
+    assert background is not None
+    if background.thread.ident is None:
+        background.thread.start()
+    assert background.join(timeout=1800)
+    return held_llm
+
+
+def runners(llm: LLM) -> list[ModelRunner]:
+    return [llm.engine.target, *(d.runner for d in llm.engine.drafting.drafters)]
+
+
+def test_requests_are_served_eagerly_before_the_background_compile_and_compiled_after_it(held_llm, pair8):
+    llm = held_llm
+    engine, ref = llm.engine, Reference(pair8 / "target", eos=7)
+    background = engine.background_compile
+    assert background is not None and background.thread.ident is None, "run this test first: it starts the compile"
+    assert engine.compile_mode is CompileMode.BACKGROUND and engine.compile_state == "compiling"
+    # the warm-up's own blocks: past the block manager's, in both caches
+    extra = ModelRunner.warm_up_blocks(K, engine.config.block_size)
+    assert all(r.cache.num_blocks == engine.block_manager.num_blocks + extra for r in runners(llm))
+
+    for p, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
+        assert_same_as_target(ref, p, out.token_ids, "before the compile")
+    assert all(r.compiled.calls == 0 and r.compiled.warming_in is not None for r in runners(llm)), "not eager"
+
+    # While it compiles: requests keep being served, the target's output throughout.
+    background.thread.start()
+    served = 0
+    while background.thread.is_alive() or served == 0:
+        for p, out in zip(PROMPTS[:2], llm.generate(PROMPTS[:2], GREEDY)):
+            assert_same_as_target(ref, p, out.token_ids, "during the compile")
+        served += 1
+        time.sleep(0.5)  # room for the compile: served back to back, the GIL they share made it 4x slower
+    assert background.join(timeout=0)
+    assert background.seconds is not None and engine.compile_state == "compiled"
+
+    before = [r.compiled.calls for r in runners(llm)]
+    for p, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
+        assert_same_as_target(ref, p, out.token_ids, "after the compile")
+    for runner, calls in zip(runners(llm), before):
+        assert runner.compiled.frozen and runner.compiled.warming_in is None
+        assert runner.compiled.calls > calls, f"{runner.name} never ran compiled"
+        assert runner.compiled.uncompiled == 0, f"{runner.name} met a layout its warm-up did not compile"
+
+
+def test_a_failed_background_warm_up_leaves_the_model_eager_and_serving(pair8, monkeypatch, caplog):
+    def broken(self, k_max, first_block=0):  # noqa: ANN001, ANN202
+        raise RuntimeError("an inductor failure")
+
+    monkeypatch.setattr(ModelRunner, "warm_up_compiled", broken)
+    llm = LLM(model=str(pair8 / "target"), speculative_method="none", dtype="float32", device="cpu",
+              compile="background")
+    assert llm.engine.background_compile is not None and llm.engine.background_compile.join(timeout=60)
+    assert llm.engine.compile_state == "failed" and "they run eagerly" in caplog.text
+    ref = Reference(pair8 / "target", eos=7)
+    for p, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
+        assert_same_as_target(ref, p, out.token_ids, "after a failed compile")
+
+
+def test_compiled_speculation_is_lossless_and_really_compiled(compiled_llm, pair8):
+    ref = Reference(pair8 / "target", eos=7)
+    before = [(r.compiled.calls, r.compiled.uncompiled) for r in runners(compiled_llm)]
+    for p, out in zip(PROMPTS, compiled_llm.generate(PROMPTS, GREEDY)):
+        assert_same_as_target(ref, p, out.token_ids, "compiled target and draft")
+    for runner, (calls, uncompiled) in zip(runners(compiled_llm), before):
+        assert runner.compiled.calls > calls and not runner.compiled.failed, f"{runner.name} never ran compiled"
+        assert runner.compiled.uncompiled == uncompiled, f"{runner.name} met a layout its warm-up did not compile"
+
+
+def test_short_prompts_alone_or_many_at_once_meet_no_uncompiled_layout(compiled_llm, pair8):
+    """A prompt of up to SHORT_QUERY tokens is fed through the compiled path: one of more than small_linear's rows
+    alone (its LM head then takes one row), and more prompts of one length admitted together than the head's
+    rows (it then takes them packed) were both missing from the warm-up and ran eagerly."""
+    ref = Reference(pair8 / "target", eos=7)
+    alone = [[(3 * i) % 7 for i in range(small_linear.SMALL_ROWS + 4)]]
+    together = [[(i + j) % 7 for j in range(5)] for i in range(small_linear.SMALL_ROWS + 4)]
+    before = [(r.compiled.calls, r.compiled.uncompiled) for r in runners(compiled_llm)]
+    for prompts in (alone, together):
+        for p, out in zip(prompts, compiled_llm.generate(prompts, GREEDY)):
+            assert_same_as_target(ref, p, out.token_ids, "short prompts, compiled")
+    for runner, (calls, uncompiled) in zip(runners(compiled_llm), before):
+        assert runner.compiled.calls > calls, f"{runner.name} never ran compiled"
+        assert runner.compiled.uncompiled == uncompiled, f"{runner.name} met a layout its warm-up did not compile"
+
+
+def test_the_target_and_the_draft_keep_their_compiled_graphs_apart(compiled_llm):
+    """dynamo tries a code object's graphs one after another, guards and all: a target forward must not first
+    fail every graph of the draft (the two share their architecture's forward)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    target, draft = runners(compiled_llm)
+    assert target.compiled.entry.__code__ is not draft.compiled.entry.__code__
+    for runner in (target, draft):
+        assert _debug_get_cache_entry_list(runner.compiled.entry.__code__), f"{runner.name}: no graph on its entry"
+
+
+def test_the_adaptive_calibration_times_compiled_forwards(pair8):
+    """The start-up timings that seed adaptive k are of the layouts the warm-up compiled, not eager ones. Prompt
+    lookup drafts here, so only the target compiles (a minute less of the suite): a draft model's timed forwards
+    are the target's same two layouts."""
+    llm = LLM(model=str(pair8 / "target"), speculative_method="ngram", dtype="float32", device="cpu",
+              compile=True)  # adaptive k: calibrated at start-up
+    target = llm.engine.target
+    assert target.compiled.calls > 0 and target.compiled.uncompiled == 0
+
+
+def test_a_layout_the_warm_up_did_not_compile_runs_eagerly_instead_of_stalling_to_compile(compiled_llm):
+    """Three sequences decoding one token each, over unequal contexts, the middle one wanting no logits: a row
+    selection at one query per sequence, not among the warm-up's layouts. Compiled while serving, it would hold
+    its step for a compile; it runs eagerly, with the same logits."""
+    from torch._dynamo.utils import counters
+
+    runner = compiled_llm.engine.target
+    assert runner.compiled.frozen
+    batch = ForwardBatch([[7], [1], [2]], [20, 30, 10], [[1, 2], [3, 4, 5], [6]], [1, 0, 1])
+    frames, calls, uncompiled = counters["frames"]["ok"], runner.compiled.calls, runner.compiled.uncompiled
+    got = runner.forward(batch)
+    assert counters["frames"]["ok"] == frames, "a layout was compiled while serving"
+    assert (runner.compiled.calls, runner.compiled.uncompiled) == (calls, uncompiled + 1), "counted as eager"
+    runner.compiled.failed = True  # the same forward through the plain model
+    try:
+        want = runner.forward(batch)
+    finally:
+        runner.compiled.failed = False
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_long_prefill_chunk_runs_eagerly_with_the_same_logits(compiled_llm, pair8):
+    runner = compiled_llm.engine.target
+    calls = runner.compiled.calls
+    tokens = [i * 5 % 8 for i in range(40)]  # 40 tokens: longer than the short-query layouts
+    got = runner.forward(ForwardBatch([tokens], [0], [list(range(3))], [len(tokens)]))
+    assert runner.compiled.calls == calls
+    ref = Reference(pair8 / "target", eos=7)
+    with torch.no_grad():
+        want = ref.model(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failing_compiled_forward_falls_back_to_eager_with_the_same_output(compiled_llm, pair8, caplog,
+                                                                              monkeypatch):
+    compiled = compiled_llm.engine.target.compiled
+
+    def broken(**inputs):  # noqa: ANN003, ANN202
+        raise RuntimeError("an inductor failure")
+
+    # the module's engine, restored afterwards (another engine would cost a compile of its own)
+    monkeypatch.setattr(compiled, "_compiled", broken)
+    monkeypatch.setattr(compiled, "failed", False)
+    outs = compiled_llm.generate(PROMPTS[:3], GREEDY)
+    assert compiled.failed and "running it eagerly" in caplog.text
+    ref = Reference(pair8 / "target", eos=7)
+    for p, out in zip(PROMPTS[:3], outs):
+        assert_same_as_target(ref, p, out.token_ids, "after the fallback")
+
+
+def test_compiled_sampling_follows_the_target_distribution(compiled_llm, pair8):
+    counts = engine_samples(compiled_llm, temperature=1.0)
+    assert all(r.compiled.calls > 0 and not r.compiled.failed for r in runners(compiled_llm))
+    assert chi_square_p(counts, exact_joint(pair8 / "target", temperature=1.0)) > 1e-3
