@@ -52,7 +52,7 @@ class PackedAlways(small_linear.SmallRowsLinear):
 
 
 def runner(path: Path, variant: str) -> ModelRunner:
-    r = ModelRunner(str(path), "float32", "cpu", compile=True)
+    r = ModelRunner.load(str(path), "float32", "cpu", compile=True)
     r.allocate_cache(num_blocks=BLOCKS, block_size=BS)
     for m in r.model.modules():
         if isinstance(m, small_linear.SmallRowsLinear):

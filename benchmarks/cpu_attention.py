@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from forward_cost import copy_bandwidth  # this script's own directory is on sys.path
 
 from engine.layers import cpu_attention
-from engine.worker.model_runner import ForwardBatch, ModelRunner
+from engine.worker.forward_batch import ForwardBatch
+from engine.worker.model_runner import ModelRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BS = 16
@@ -88,7 +89,7 @@ def scattered_batch(rng: random.Random, G: int, Q: int) -> ForwardBatch:
 
 
 def forward_table(target: Path, repeats: int) -> list[dict]:
-    runner = ModelRunner(str(target), "float32", "cpu")
+    runner = ModelRunner.load(str(target), "float32", "cpu")
     runner.allocate_cache(num_blocks=BLOCKS, block_size=BS)
     rng = random.Random(1)
     usable = cpu_attention.usable
@@ -126,7 +127,8 @@ def main() -> None:
     for r in layers:
         print(f"{r['G']:>3} {r['Q']:>2} {r['C']:>4} {r['kernel_ms']:>8.3f} {r['gather_sdpa_ms']:>12.3f} "
               f"{r['gather_sdpa_ms'] / r['kernel_ms']:>6.1f}")
-    weights = sum(p.numel() * 4 for p in ModelRunner(str(args.pair / "target"), "float32", "cpu").model.parameters())
+    target = ModelRunner.load(str(args.pair / "target"), "float32", "cpu")
+    weights = sum(p.numel() * 4 for p in target.model.parameters())
     floor = 1e3 * weights / copy_bandwidth()
     forwards = forward_table(args.pair / "target", args.repeats)
     print(f"\nwhole target forwards, eager (ms); weight-read floor {floor:.2f} ms")

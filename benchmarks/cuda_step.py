@@ -35,8 +35,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.worker.forward_batch import ForwardBatch  # noqa: E402
 from engine.worker.graphs import Buckets  # noqa: E402
-from engine.worker.model_runner import ForwardBatch, ModelRunner  # noqa: E402
+from engine.worker.model_runner import ModelRunner  # noqa: E402
 
 BLOCK = 16
 
@@ -168,7 +169,7 @@ def measure(args: argparse.Namespace) -> dict:
         torch.manual_seed(0)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        runner = ModelRunner.from_model(model, role, compile=args.compile)
+        runner = ModelRunner(model, role, compile=args.compile)
         runner.allocate_cache(max(batches) * per_seq, BLOCK)
         assert runner.cache is not None
         weights = read_bytes(model)

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from engine.worker.model_runner import ForwardBatch, ModelRunner
+from engine.worker.forward_batch import ForwardBatch
+from engine.worker.model_runner import ModelRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONTEXT, K = 128, 4
@@ -60,7 +61,7 @@ def main() -> None:
     for name in ("target", "draft"):
         runners = {}
         for mode in ("eager", "compiled"):
-            runner = ModelRunner(str(args.pair / name), "float32", "cpu", compile=mode == "compiled")
+            runner = ModelRunner.load(str(args.pair / name), "float32", "cpu", compile=mode == "compiled")
             runner.allocate_cache(64, 16)
             runner.forward(ForwardBatch([list(range(5, 5 + CONTEXT))], [0], [list(range(16))], [1]))
             seconds = runner.warm_up_compiled(K)

@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-from engine.worker.model_runner import ForwardBatch, ModelRunner
+from engine.worker.forward_batch import ForwardBatch
+from engine.worker.model_runner import ModelRunner
 
 
 def interleaved_medians(fns: list[Callable[[], None]], reps: int) -> list[float]:

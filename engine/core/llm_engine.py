@@ -26,8 +26,8 @@ from engine.types.outputs import RequestOutput, Verdict
 from engine.types.sampling_params import SamplingParams
 from engine.types.schedule import ScheduledSeq, SchedulerConfig, SchedulerOutput
 from engine.types.sequence import FinishReason, Sequence
-from engine.types.stats import AuditStats, SpecDecodeStats, StepStats
-from engine.worker.model_runner import step_batch
+from engine.types.stats import AuditStats, StepStats, StepTotals
+from engine.worker.forward_batch import step_batch
 
 
 def check_text(text: str) -> None:
@@ -59,7 +59,7 @@ class LLMEngine:
         self.verifier = Verifier(self.eos_ids)
         self.auditor = Auditor(config.audit_fraction)
         self.seqs: dict[str, Sequence] = {}
-        self.spec_stats = SpecDecodeStats()
+        self.spec_stats = StepTotals()
         self.audit_stats = AuditStats()
         self.last_step: StepStats | None = None
         self._grammars: GrammarBackend | None = None  # built by the first structured request

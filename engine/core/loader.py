@@ -18,7 +18,8 @@ from engine.types.config import CompileMode, EngineConfig, SpeculativeMethod
 from engine.worker.compiled import BackgroundWarmUp, resolve_mode
 from engine.worker.graphs import Buckets
 from engine.worker.host_memory import keep_freed_memory
-from engine.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+from engine.worker.loading import resolve_device, resolve_dtype
+from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def load(config: EngineConfig) -> Loaded:
     split = config.device_map is not None
     mode = resolve_mode(config.compile, device, resolve_dtype(config.dtype, device), split, eagle)  # type: ignore[arg-type]
     compiles = mode is not CompileMode.OFF
-    target = ModelRunner(config.model, config.dtype, config.device, config.trust_remote_code, config.device_map,
+    target = ModelRunner.load(config.model, config.dtype, config.device, config.trust_remote_code, config.device_map,
                          compiles)
     if "cpu" in {d.type for d in target.layer_devices or [target.device]}:
         keep_freed_memory()  # a batched step's large temporaries met fresh pages from the kernel in some processes
@@ -138,7 +139,7 @@ def load(config: EngineConfig) -> Loaded:
         assert config.draft_model is not None
         draft_tok = load_tokenizer(config.draft_model, config.trust_remote_code)
         check_same_tokenizer(tokenizer, draft_tok, config.model, config.draft_model)
-        draft = ModelRunner(config.draft_model, config.dtype, config.device, config.trust_remote_code,
+        draft = ModelRunner.load(config.draft_model, config.dtype, config.device, config.trust_remote_code,
                             compile=compiles)
         if draft.device != target.device:
             # The draft's distributions meet the target's logits in verification, on one device.

@@ -7,7 +7,8 @@ import logging
 import time
 
 from engine.speculative.adaptive import AdaptivePolicy
-from engine.worker.model_runner import ForwardBatch, ModelRunner
+from engine.worker.forward_batch import ForwardBatch
+from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ from engine.sample.sampling import probs_from_logits, process_logits, row_spec, 
 from engine.speculative.source import DraftRequest, Proposal
 from engine.structured.grammar import apply_masks
 from engine.types.sequence import Sequence
-from engine.worker.model_runner import ForwardBatch, ModelRunner
+from engine.worker.forward_batch import ForwardBatch
+from engine.worker.model_runner import ModelRunner
 
 
 class DraftModelSource:

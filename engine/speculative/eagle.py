@@ -31,8 +31,9 @@ from engine.speculative.draft_model import DraftModelSource
 from engine.speculative.source import DraftRequest, Proposal
 from engine.types.schedule import ScheduledSeq
 from engine.types.sequence import Sequence
+from engine.worker.forward_batch import ForwardBatch
 from engine.worker.layout import build_metadata
-from engine.worker.model_runner import ForwardBatch, ModelRunner
+from engine.worker.model_runner import ModelRunner
 from engine.worker.staging import Uploader
 
 # Logits outside the draft vocabulary: finite, so that a row whose grammar allows none of the draft

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
-from engine.layers import attention
+from engine.layers import attention, attention_metadata
 from engine.layers.kv_cache import PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -151,12 +151,12 @@ class StaticForward:
         qpos = positions.view(b.batch, b.query)  # [G, Q]
         mask = (kpos[None, None, :] <= qpos[:, :, None])[:, None]  # [G, 1, Q, C]
         paged = self._paged_mask(b, qpos) if self.paged_kernel else None
-        meta = attention.PaddedMetadata(self.cache, self._section("slots", T), qpos, key_slots, mask, paged)
+        meta = attention_metadata.PaddedMetadata(self.cache, self._section("slots", T), qpos, key_slots, mask, paged)
         out = self.call(input_ids=ids[None], position_ids=positions[None], use_cache=False,
                          **{attention.METADATA_KWARG: meta})
         self.logits[:T].copy_(out.logits[0])  # [T, V], float32
 
-    def _paged_mask(self, b: Bucket, qpos: torch.Tensor) -> attention.PagedMask:
+    def _paged_mask(self, b: Bucket, qpos: torch.Tensor) -> attention_metadata.PagedMask:
         """The block mask of bucket ``b``'s sequences over the whole cache, from the block tables on the device.
         Queries are laid out to the largest query bucket (rows past ``b.query`` are discarded), so flex_attention
         compiles one shape per batch bucket."""
@@ -192,7 +192,7 @@ class StaticForward:
         block_mask = BlockMask.from_kv_blocks(
             counts, kv_indices, full_counts, full_indices, BLOCK_SIZE=(self._query_block, bs), mask_mod=causal,
             seq_lengths=(self.Q, n * bs), compute_q_blocks=False)
-        return attention.PagedMask(block_mask, logical, positions)
+        return attention_metadata.PagedMask(block_mask, logical, positions)
 
     def capture_bucket(self, b: Bucket) -> float:
         """Capture ``b``'s graph (CUDA only); seconds taken. The buffers are first set to a harmless

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.attention import SHORT_QUERY, AttentionMetadata, LongSeq, ShortGroup
+from engine.layers.attention_metadata import SHORT_QUERY, AttentionMetadata, LongSeq, ShortGroup
 from engine.layers.kv_cache import PagedKVCache
 from engine.worker.staging import Uploader
 

@@ -10,7 +10,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.core.llm_engine import LLMEngine
-from engine.worker.model_runner import ForwardBatch
+from engine.worker.forward_batch import ForwardBatch
 from tests.engine.lossless import Reference, assert_equal_unless_near_tie, assert_same_sample_unless_near_tie
 from tests.tiny_models import EOS
 

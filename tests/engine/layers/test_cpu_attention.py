@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from engine.layers import cpu_attention
-from engine.worker.model_runner import ForwardBatch, ModelRunner
+from engine.worker.forward_batch import ForwardBatch
+from engine.worker.model_runner import ModelRunner
 
 SLOTS = 512
 
@@ -120,7 +121,7 @@ def test_layers_the_kernel_does_not_take_keep_the_gather_path():
 def test_the_runner_sends_short_queries_through_the_kernel_with_the_gather_paths_logits(model_sets, monkeypatch):
     """A decode-and-verify batch of the tiny llama: every layer calls the kernel once, and the logits are those of
     the same batch with the kernel turned off."""
-    runner = ModelRunner(str(model_sets["llama"].target), "float32", "cpu")
+    runner = ModelRunner.load(str(model_sets["llama"].target), "float32", "cpu")
     runner.allocate_cache(num_blocks=40, block_size=4)
     seqs = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39]]
     tables = [[3, 1], [0], [7, 2, 9]]

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.models import exit_head
 from engine.models.exit_head import OUTSIDE, ExitHead, ExitHeadError
-from engine.worker.model_runner import ForwardBatch
+from engine.worker.forward_batch import ForwardBatch
 from tests.engine.lossless import prompts_for
 from tests.tiny_models import VOCAB
 

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.models.eagle_head import Eagle3Head, EagleHeadError, aux_layer_ids, load_head
 from engine.speculative.eagle import EagleRunner
-from engine.worker.model_runner import ForwardBatch, ModelRunner
+from engine.worker.forward_batch import ForwardBatch
+from engine.worker.model_runner import ModelRunner
 from tests.engine.lossless import prompts_for
 from tests.tiny_models import VOCAB, eagle_head_config, save_eagle_head
 
@@ -94,7 +95,7 @@ def _reference_prenorm(head: Eagle3Head, tokens: list[int], hidden: torch.Tensor
 
 
 def test_the_paged_forward_equals_plain_attention_over_each_sequence(model_sets, head_dir):
-    target = ModelRunner(str(model_sets["llama"].target), "float32", "cpu")
+    target = ModelRunner.load(str(model_sets["llama"].target), "float32", "cpu")
     target.allocate_cache(16, 4)
     runner = EagleRunner.load(str(head_dir), target)
     runner.allocate_cache(16, 4)
@@ -114,7 +115,7 @@ def test_the_paged_forward_equals_plain_attention_over_each_sequence(model_sets,
 
 def test_the_target_hands_over_the_inputs_of_the_heads_layers(model_sets):
     ms = model_sets["qwen2"]
-    target = ModelRunner(str(ms.target), "float32", "cpu")
+    target = ModelRunner.load(str(ms.target), "float32", "cpu")
     target.allocate_cache(16, 4)
     target.capture_aux((1, 0, 1))
     tokens = [5, 9, 11, 40, 3, 7]
@@ -262,7 +263,7 @@ def test_a_head_without_an_lm_head_drafts_through_the_targets_own(model_sets, tm
     state = load_file(str(tmp_path / "model.safetensors"))
     del state["lm_head.weight"]
     save_file(state, str(tmp_path / "model.safetensors"))
-    target = ModelRunner(str(model_sets["llama"].target), "float32", "cpu")
+    target = ModelRunner.load(str(model_sets["llama"].target), "float32", "cpu")
     target.allocate_cache(8, 4)
     runner = EagleRunner.load(str(tmp_path), target)
     assert runner.head.lm_head is target.model.get_output_embeddings()

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.models.early_exit import EarlyExitError, truncate
-from tests.engine.lossless import alternate_drafters, prompts_for
 from tests.engine.core.test_llm_engine import _cache_matches_fresh_prefill
+from tests.engine.lossless import alternate_drafters, prompts_for
 
 
 def self_llm(ms, k=4, layers=1, **kw) -> LLM:  # noqa: ANN001

@@ -13,9 +13,10 @@ import torch
 from engine import LLM, CompileMode, SamplingParams
 from engine.layers import small_linear
 from engine.worker.compiled import BackgroundWarmUp
-from engine.worker.model_runner import ForwardBatch, ModelRunner
-from tests.engine.lossless import MAX_NEW, Reference, assert_same_as_target
+from engine.worker.forward_batch import ForwardBatch
+from engine.worker.model_runner import ModelRunner
 from tests.engine.core.test_lossless_sampling import chi_square_p, engine_samples, exact_joint
+from tests.engine.lossless import MAX_NEW, Reference, assert_same_as_target
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
 # Prompts over the 8-token vocabulary of the sampling tests' peaky pair.

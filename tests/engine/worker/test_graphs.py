@@ -12,8 +12,9 @@ from engine import LLM, SamplingParams
 from engine.core.loader import use_cuda_graphs
 from engine.layers import attention
 from engine.types.config import EngineConfig
+from engine.worker.forward_batch import ForwardBatch
 from engine.worker.graphs import Bucket, Buckets
-from engine.worker.model_runner import ForwardBatch, ModelRunner
+from engine.worker.model_runner import ModelRunner
 from tests.engine.lossless import (
     MAX_NEW,
     Reference,
@@ -43,18 +44,18 @@ def test_buckets_cover_every_short_forward_up_to_the_limits():
 
 
 def test_cuda_graphs_default_on_only_for_a_model_on_one_gpu(model_sets):
-    runner = ModelRunner(str(model_sets["llama"].target), "float32", "cpu")
+    runner = ModelRunner.load(str(model_sets["llama"].target), "float32", "cpu")
     assert use_cuda_graphs(EngineConfig(model="m"), runner) is False
     assert use_cuda_graphs(EngineConfig(model="m", cuda_graphs=True), runner) is True
     if torch.cuda.is_available():
-        gpu = ModelRunner(str(model_sets["llama"].target), "float32", "cuda")
+        gpu = ModelRunner.load(str(model_sets["llama"].target), "float32", "cuda")
         assert use_cuda_graphs(EngineConfig(model="m"), gpu) is True
         assert use_cuda_graphs(EngineConfig(model="m", cuda_graphs=False), gpu) is False
 
 
 def _pair(path, device: str, paged_kernel: bool = False) -> tuple[ModelRunner, ModelRunner]:
     """Two runners of the same weights: one eager, one in ``SMALL``'s buckets."""
-    eager, static = ModelRunner(str(path), "float32", device), ModelRunner(str(path), "float32", device)
+    eager, static = ModelRunner.load(str(path), "float32", device), ModelRunner.load(str(path), "float32", device)
     for r in (eager, static):
         r.allocate_cache(num_blocks=48, block_size=BLOCK)
     static.use_buckets(SMALL, paged_kernel)

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from engine.layers.attention import SHORT_QUERY
+from engine.layers.attention_metadata import SHORT_QUERY
 from engine.layers.kv_cache import LayerShape, PagedKVCache
 from engine.worker.layout import build_metadata, plan_layout
 from engine.worker.staging import Uploader

@@ -6,7 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BertConfig, BertModel
 
-from engine.worker.model_runner import ForwardBatch, ModelRunner, UnsupportedModelError
+from engine.worker.forward_batch import ForwardBatch
+from engine.worker.loading import UnsupportedModelError
+from engine.worker.model_runner import ModelRunner
 from tests.tiny_models import ARCHS
 
 
@@ -25,7 +27,7 @@ def test_packed_paged_chunks_give_the_unpacked_logits(arch, model_sets):
     continuations (the batched short-query path and the per-sequence path) over a paged cache
     whose blocks are scattered; the mistral config's sliding window is shorter than the context."""
     path = model_sets[arch].target
-    runner = ModelRunner(str(path), "float32", "cpu")
+    runner = ModelRunner.load(str(path), "float32", "cpu")
     runner.allocate_cache(num_blocks=40, block_size=4)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
@@ -46,7 +48,7 @@ def test_packed_paged_chunks_give_the_unpacked_logits(arch, model_sets):
 
 def test_short_queries_share_one_padded_call_with_the_same_logits(model_sets):
     path = model_sets["llama"].target
-    runner = ModelRunner(str(path), "float32", "cpu")
+    runner = ModelRunner.load(str(path), "float32", "cpu")
     runner.allocate_cache(num_blocks=40, block_size=4)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     seqs = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39]]
@@ -63,7 +65,7 @@ def test_unsupported_architecture_is_a_clear_error_naming_it(tmp_path):
     BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                          intermediate_size=32)).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="Bert.*bidirectional"):
-        ModelRunner(str(tmp_path), "float32", "cpu")
+        ModelRunner.load(str(tmp_path), "float32", "cpu")
 
 
 def test_attention_soft_capping_is_refused_rather_than_ignored(tmp_path):
@@ -73,7 +75,7 @@ def test_attention_soft_capping_is_refused_rather_than_ignored(tmp_path):
                        num_key_value_heads=1, intermediate_size=32, head_dim=8)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="soft-capping"):
-        ModelRunner(str(tmp_path), "float32", "cpu")
+        ModelRunner.load(str(tmp_path), "float32", "cpu")
 
 
 def test_decoder_layers_that_drop_keyword_arguments_are_refused_at_load(tmp_path):
@@ -85,7 +87,7 @@ def test_decoder_layers_that_drop_keyword_arguments_are_refused_at_load(tmp_path
                          num_key_value_heads=1, intermediate_size=32, head_dim=8)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="Nemotron.*keyword arguments"):
-        ModelRunner(str(tmp_path), "float32", "cpu")
+        ModelRunner.load(str(tmp_path), "float32", "cpu")
 
 
 def test_values_with_their_own_head_size_run_exactly(tmp_path):
@@ -100,7 +102,7 @@ def test_values_with_their_own_head_size_run_exactly(tmp_path):
                            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                            max_position_embeddings=128)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    runner = ModelRunner(str(tmp_path), "float32", "cpu")
+    runner = ModelRunner.load(str(tmp_path), "float32", "cpu")
     assert {(s.head_dim, s.v_head_dim) for s in runner.layer_shapes} == {(12, 16)}
     runner.allocate_cache(num_blocks=20, block_size=4)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()

@@ -1,0 +1,47 @@
+"""One packed forward's inputs: which tokens each sequence feeds, from where, and which rows need logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.types.schedule import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """One packed forward: sequence i feeds ``token_ids[i]`` at positions ``[starts[i], ...)``."""
+
+    token_ids: list[list[int]]
+    starts: list[int]
+    block_tables: list[list[int]]
+    logits_rows: list[int]  # per sequence: how many trailing positions need logits (0 = none)
+    # The tokens as a [T] tensor already on the device (a draft loop's previous output): token_ids then
+    # only say how many tokens each sequence feeds, and nothing is copied from the host.
+    input_ids: torch.Tensor | None = None
+
+    def ids(self, device: torch.device) -> torch.Tensor:
+        """The fed tokens as [1, T] on ``device``."""
+        if self.input_ids is not None:
+            return self.input_ids.view(1, -1)
+        return torch.tensor([[t for toks in self.token_ids for t in toks]], dtype=torch.long, device=device)
+
+    def logits_row_index(self) -> tuple[list[int], int]:
+        """The packed rows that need logits, in order, and the number of rows T."""
+        keep, end = [], 0
+        for toks, r in zip(self.token_ids, self.logits_rows):
+            end += len(toks)
+            keep.extend(range(end - r, end))
+        return keep, end
+
+
+def step_batch(scheduled: list[ScheduledSeq], drafts: list[list[int]]) -> ForwardBatch:
+    """The step's one target pass: each sequence's uncomputed tokens plus its drafts. Sequences that
+    reach their last known token get logits for it and every draft position."""
+    feeds, rows = [], []
+    for s, d in zip(scheduled, drafts):
+        seq = s.seq
+        feeds.append(seq.token_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d)
+        rows.append(len(d) + 1 if s.samples else 0)
+    return ForwardBatch(feeds, [s.seq.num_computed for s in scheduled], [s.seq.block_table for s in scheduled], rows)
