@@ -28,9 +28,9 @@ Every system loads the same weights in the same dtype (float32 on CPU, bfloat16 
 process's default thread count (--threads for llama.cpp, whose own default is not that). Without a
 llama-server binary, or on a GPU, the llama.cpp systems are left out with a message.
 
-    python benchmarks/compare.py --sets code --concurrency 1 8 32 --rounds 3 --systems "specd adaptive" \
-        "specd adaptive compiled" "specd draft" "specd none" "llama.cpp spec" "llama.cpp none" \
-        --out benchmarks/results/compare_llamacpp.json --section "Against llama.cpp's server"
+    python benchmarks/compare.py --sets code --concurrency 1 8 32 --rounds 2 \
+        --systems "specd adaptive default" "specd none" "llama.cpp spec" \
+        --out benchmarks/results/compare_llamacpp_default_two_rounds.json
 
 Workload: greedy, 128 new tokens (or until EOS, the same for everyone since greedy output is
 the same), streamed completions; batch 1 (requests one after another) and concurrency 4, 16, 32
@@ -45,10 +45,11 @@ Per (set, concurrency, system): tokens/s (output tokens, recounted from the text
 tokenizer, over the run's wall time), TTFT p50, TPOT p50/p99 ((latency - TTFT) / (tokens - 1) per
 request), acceptance (specd, llama.cpp: from /metrics), tokens per target forward, whether the text equals
 specd none's, and for specd's speculative runs the bound E(a,k)/(1+kc) from the measured acceptance
-and costs (peer_bench/report.py says how). Writes benchmarks/results/compare.json, docs/compare.md
-and the plots docs/compare_throughput.png and docs/compare_bound.png; with --section, a "## TITLE"
-section of docs/compare.md instead (replaced if there, the rest kept) and plots named after it. With
-llama.cpp in the run, a second table gives specd over llama.cpp per round (report.VERSUS).
+and costs (peer_bench/report.py says how). Prints the tables and writes the results JSON (--out,
+default benchmarks/results/compare.json) with two plots beside it, named after it: OUT_throughput.png
+(tokens/s against concurrency) and OUT_bound.png (measured speedup against the bound). It never
+writes a doc: docs/performance.md quotes the figures it keeps and names the JSON they come from.
+With llama.cpp in the run, a second table gives specd over llama.cpp per round (report.VERSUS).
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import sys
 import tempfile
 import time
@@ -88,9 +88,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--systems", nargs="+", help="a subset, by name (default: all but specd adaptive compiled)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's -t (default: torch's)")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compare.json")
-    ap.add_argument("--docs", type=Path, default=ROOT / "docs", help="where compare.md and the plots go")
-    ap.add_argument("--section", help="write a '## SECTION' of compare.md, keeping the rest of the file")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compare.json",
+                    help="the results JSON; the plots are written beside it, named after it")
     ap.add_argument("--max-others-cpu", type=float, default=0.1,
                     help="measure a run again, once the machine is quiet, when other processes took more than this "
                          "share of its CPU time meanwhile (default 0.1; 1 to never)")
@@ -149,12 +148,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"title": title, "args": {k: str(v) for k, v in vars(args).items()},
                                     "summary": lines, "versus": versus, "rows": rows}, indent=1))
-    stem = "compare" + (f"_{slug(args.section)}" if args.section else "")
-    pngs = report.plot(lines, args.docs, title, stem)
-    command = " ".join(["python", *(f'"{a}"' if " " in a else a for a in sys.argv)])
-    body = f"`{command}`\n\n{title}\n\n{text}\n\n" + "".join(f"![{p.stem}]({p.name})\n" for p in pngs)
-    write_md(args.docs / "compare.md", body, args.section)
-    print(f"\nwrote {args.out}, {args.docs / 'compare.md'}, " + ", ".join(map(str, pngs)))
+    pngs = report.plot(lines, args.out.parent, title, args.out.stem)
+    print(f"\nwrote {args.out}, " + ", ".join(map(str, pngs)))
 
 
 def choose_systems(args: argparse.Namespace, ap: argparse.ArgumentParser) -> list[System]:
@@ -170,29 +165,6 @@ def choose_systems(args: argparse.Namespace, ap: argparse.ArgumentParser) -> lis
         else:
             known += llamacpp_systems(args.target, args.draft, args.threads, max(args.concurrency))
     return [s for s in known if s.name in args.systems] if args.systems else [s for s in known if s.default]
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
-
-
-def write_md(path: Path, body: str, section: str | None) -> None:
-    """The whole report (the '## ' sections already in the file kept after it), or one '## ' section
-    of it, replaced in place or appended."""
-    old = path.read_text() if path.exists() else ""
-    head, *sections = re.split(r"(?m)^(?=## )", old)
-    sections = [s.rstrip() + "\n\n" for s in sections]
-    if section is None:
-        head = f"# specd vs peers\n\n{body.rstrip()}\n\n"
-    else:
-        head = head.rstrip() + "\n\n" if head.strip() else "# specd vs peers\n\n"
-        new = f"## {section}\n\n{body.rstrip()}\n\n"
-        i = next((i for i, s in enumerate(sections) if s.splitlines()[0] == f"## {section}"), None)
-        if i is None:
-            sections.append(new)
-        else:
-            sections[i] = new
-    path.write_text((head + "".join(sections)).rstrip() + "\n")
 
 
 def row_of(rnd: int, name: str, conc: int, system: str, run: client.Run, tok: object) -> dict:

@@ -93,11 +93,11 @@ def test_a_small_comparison_runs_end_to_end_and_every_system_writes_the_same_tex
 
     import compare
 
-    out, docs = tmp_path / "compare.json", tmp_path / "docs"
+    out = tmp_path / "results" / "run.json"
     systems = ["specd adaptive", "specd none", "transformers serve", "generate prompt lookup"]
     monkeypatch.setattr(sys, "argv", [
         "compare.py", "--systems", *systems, "--sets", "edit", "--concurrency", "1", "2", "--prompts", "2",
-        "--max-tokens", "8", "--rounds", "1", "--out", str(out), "--docs", str(docs),
+        "--max-tokens", "8", "--rounds", "1", "--out", str(out),
         "--attempts", "1",  # measure once: a test never waits for a quiet machine
     ])
     compare.main()
@@ -108,4 +108,5 @@ def test_a_small_comparison_runs_end_to_end_and_every_system_writes_the_same_tex
         assert x["failed"] == 0 and x["tokens_per_s"] > 0
         if x["system"] != "specd none":
             assert x["same_text_as_none"] == x["compared_texts"] > 0, f"{x['system']}: greedy text differs"
-    assert {p.name for p in docs.iterdir()} == {"compare.md", "compare_throughput.png", "compare_bound.png"}
+    # The JSON and its two plots, named after it, and nothing else: compare.py never writes a doc.
+    assert {p.name for p in out.parent.iterdir()} == {"run.json", "run_throughput.png", "run_bound.png"}
