@@ -34,7 +34,7 @@ LLAMACPP = ("llama.cpp spec", "llama.cpp none")
 # and never drafts. The rest are llama.cpp's defaults, spelled out: 3 drafts per step at most, drafting
 # never cut short by the draft's confidence (p-min 0). On the embedded pair, of n-max 3/4/8 and p-min
 # 0/0.5/0.75 these are within noise of the best at concurrency 8 and 32 (where no setting makes drafting
-# pay) and 8% behind n-max 8 at 1 (benchmarks/llamacpp/draft_sweep.py; docs/compare.md).
+# pay) and 8% behind n-max 8 at 1 (benchmarks/llamacpp/draft_sweep.py; benchmarks/results/llamacpp_draft_sweep.json).
 LLAMACPP_DRAFT = ("--spec-type", "draft-simple", "--spec-draft-n-max", "3", "--spec-draft-n-min", "0",
                   "--spec-draft-p-min", "0.0")
 
