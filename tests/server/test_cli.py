@@ -130,13 +130,13 @@ def test_draft_layers_select_self_speculation_from_a_flag_a_variable_or_the_yaml
         parse_config(["serve", "--model", "org/m", "--speculative-method", "ngram", "--draft-layers", "1"])
 
 
-def test_the_serving_guide_lists_every_serve_option():
+def test_the_configuration_guide_lists_every_serve_option():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     flags = {o for a in serve._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
-    guide = (ROOT / "docs" / "serving.md").read_text()
-    section = guide[: guide.index("\n# Observability")]
-    listed = set(re.findall(r"`(--[a-z-]+)", section))
-    assert flags <= listed, f"missing from docs/serving.md's Serving section: {sorted(flags - listed)}"
+    guide = (ROOT / "docs" / "configuration.md").read_text()
+    table = guide[guide.index("<!-- options:begin -->") : guide.index("<!-- options:end -->")]
+    listed = set(re.findall(r"`(--[a-z-]+)", table))
+    assert flags <= listed, f"missing from docs/configuration.md's options table: {sorted(flags - listed)}"
 
 
 def test_api_key_comes_from_the_environment_unless_given(monkeypatch):
