@@ -1,4 +1,6 @@
-"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template; tools (server.tools)."""
+"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template; tools (server.tools).
+``create_chat_completion`` is the whole path, top to bottom; the helpers below it come in the order it
+calls them."""
 
 from __future__ import annotations
 
@@ -11,33 +13,61 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import Constraint, check_text
-from server import sse, structured, tools
-from server.async_engine import EngineRequest, RequestHandle
-from server.errors import bad_request, from_exception
+from server import structured, tools
+from server.errors import bad_request
+from server.generation import Choice, Generation
 from server.logprobs import chat_logprobs
-from server.protocol import (
+from server.protocol import ChatCompletionRequest
+from server.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     Delta,
 )
-from server.request_stats import RequestInfo
-from server.serving import (
-    Choice,
-    Serving,
-    choice_params,
-    collect,
-    new_id,
-    sampling_params,
-    until_disconnect,
-    usage,
-)
+from server.serving import Serving
 from server.tools import ToolMode, ToolPlan
 
 logger = logging.getLogger(__name__)
+
+
+async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: Serving) -> Response:
+    """parse -> validate -> submit -> stream or collect -> respond."""
+    arrival = time.monotonic()
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    tool_plan, constraint = _validate(req, ctx)
+    prompt = render(req, ctx, tool_plan)
+    params = ctx.sampling_params(req, max_tokens, logprobs, constraint)
+    prepared = ctx.prepare(prompt, params, max_tokens, "messages")  # no max: OpenAI's default, the rest
+    gen = ctx.submit("chatcmpl", arrival, [prepared], req.n, lambda: _messages_text(req))
+    if req.stream:
+        return gen.stream(_chunks(req, ctx, gen, tool_plan))
+    choices = await gen.collect(raw)
+    return JSONResponse(_response(req, ctx, gen, choices, tool_plan).model_dump(mode="json"))
+
+
+def _validate(req: ChatCompletionRequest, ctx: Serving) -> tuple[ToolPlan, Constraint | None]:
+    """What needs no template: the model, tools and output constraints, logprobs, the server's limits."""
+    ctx.check_model(req.model)
+    tool_plan, constraint = _output_plan(req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    ctx.check_request(req)
+    return tool_plan, constraint
+
+
+def _output_plan(req: ChatCompletionRequest) -> tuple[ToolPlan, Constraint | None]:
+    """What the tools ask for and the request's one output constraint. With "auto", another constraint
+    wins: the output then follows it and is never read for tool calls."""
+    tool_plan = tools.plan(req)
+    found = structured.requested(req)
+    if tool_plan.constraint is not None:
+        found.append(("tool_choice", tool_plan.constraint))
+    elif tool_plan.mode is ToolMode.AUTO and found:
+        tool_plan = ToolPlan(ToolMode.NONE, tool_plan.names)
+    return tool_plan, structured.only_one(found)
 
 
 def render(req: ChatCompletionRequest, ctx: Serving, plan: ToolPlan) -> list[int]:
@@ -108,38 +138,47 @@ def _apply_template(tok: object, template: str, messages: list[dict], tools: lis
         raise bad_request("the chat template could not render these messages", param="messages") from None
 
 
-def _messages_text(req: ChatCompletionRequest) -> str:
-    return json.dumps([m.model_dump(exclude_none=True) for m in req.messages])
+async def _chunks(
+    req: ChatCompletionRequest, ctx: Serving, gen: Generation, tool_plan: ToolPlan
+) -> AsyncIterator[ChatCompletionChunk]:
+    created = int(time.time())
+
+    def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=gen.id, created=created, model=ctx.model_name, choices=[choice])
+
+    # OpenAI opens every choice with an empty assistant delta.
+    for c in gen.ordered():
+        yield chunk(ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content="")))
+    held = {engine_id: tools.ToolOutput(tool_plan) for engine_id in gen.choices}
+    async for c, out in gen.outputs():
+        text, calls, finish = held[out.request_id].feed(out.new_text), [], None
+        if out.finished:
+            rest, calls, finish = held[out.request_id].finish(out.finish_reason)
+            text += rest
+        has_logprobs = req.logprobs and out.new_logprobs
+        ids_wanted = req.return_token_ids and out.new_token_ids
+        if not (text or out.finished or has_logprobs or ids_wanted):
+            continue  # text held back (part of a character, of a stop string, or of a tool call)
+        yield chunk(
+            ChatChunkChoice(
+                index=c.index,
+                delta=Delta(content=text or None, tool_calls=tools.delta_calls(calls) or None),
+                logprobs=chat_logprobs(ctx.text, out.new_logprobs) if req.logprobs else None,
+                finish_reason=None if calls else finish,
+                token_ids=list(out.new_token_ids) if req.return_token_ids else None,
+            )
+        )
+        if calls:  # as OpenAI ends a choice that called tools: an empty delta with the finish_reason
+            yield chunk(ChatChunkChoice(index=c.index, delta=Delta(), finish_reason=finish))
+    if req.include_usage:
+        yield ChatCompletionChunk(id=gen.id, created=created, model=ctx.model_name, choices=[], usage=gen.usage())
 
 
-async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: Serving) -> Response:
-    arrival = time.monotonic()
-    ctx.check_model(req.model)
-    tool_plan, constraint = _output_plan(req)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    ctx.check_request(req)
-    prompt = render(req, ctx, tool_plan)
-    params = sampling_params(req, ctx.provisional_max(max_tokens), logprobs, ctx.engine.vocab_size, constraint,
-                             ctx.limits.token_healing)
-    ids, params = ctx.prepare(prompt, params, max_tokens, "messages")  # no max: OpenAI's default, the rest
-    rid = new_id("chatcmpl")
-    requests, choices = [], {}
-    for i in range(req.n):
-        engine_id = f"{rid}-{i}"
-        requests.append(EngineRequest(engine_id, ids, choice_params(params, i)))
-        choices[engine_id] = Choice(engine_id, ids, index=i)
-    handle = ctx.submit(requests, RequestInfo(rid, arrival, len(ids), lambda: _messages_text(req)))
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = _stream(req, ctx, rid, handle, choices, tool_plan, len(ids), include_usage)
-        return sse.response(events, handle.close)
-    await until_disconnect(raw, collect(handle, choices))
+def _response(
+    req: ChatCompletionRequest, ctx: Serving, gen: Generation, choices: list[Choice], tool_plan: ToolPlan
+) -> ChatCompletionResponse:
     out = []
-    ordered = sorted(choices.values(), key=lambda c: c.index)
-    for c in ordered:
+    for c in choices:
         extra = {"prompt_token_ids": c.prompt_token_ids, "token_ids": c.token_ids} if req.return_token_ids else {}
         content, calls, finish = tools.complete(tool_plan, c.text, c.finish_reason)
         out.append(
@@ -152,68 +191,8 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
                 **extra,
             )
         )
-    body = ChatCompletionResponse(id=rid, model=ctx.model_name, choices=out, usage=usage(ordered, len(ids), req.n))
-    return JSONResponse(body.model_dump(mode="json"))
+    return ChatCompletionResponse(id=gen.id, model=ctx.model_name, choices=out, usage=gen.usage())
 
 
-def _output_plan(req: ChatCompletionRequest) -> tuple[ToolPlan, Constraint | None]:
-    """What the tools ask for and the request's one output constraint. With "auto", another constraint
-    wins: the output then follows it and is never read for tool calls."""
-    tool_plan = tools.plan(req)
-    found = structured.requested(req)
-    if tool_plan.constraint is not None:
-        found.append(("tool_choice", tool_plan.constraint))
-    elif tool_plan.mode is ToolMode.AUTO and found:
-        tool_plan = ToolPlan(ToolMode.NONE, tool_plan.names)
-    return tool_plan, structured.only_one(found)
-
-
-async def _stream(
-    req: ChatCompletionRequest,
-    ctx: Serving,
-    rid: str,
-    handle: RequestHandle,
-    choices: dict[str, Choice],
-    tool_plan: ToolPlan,
-    num_prompt_tokens: int,
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    created = int(time.time())
-
-    def chunk(choice: ChatChunkChoice) -> str:
-        return sse.event(ChatCompletionChunk(id=rid, created=created, model=ctx.model_name, choices=[choice]))
-
-    try:
-        # OpenAI opens every choice with an empty assistant delta.
-        for c in sorted(choices.values(), key=lambda c: c.index):
-            yield chunk(ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content="")))
-        held = {engine_id: tools.ToolOutput(tool_plan) for engine_id in choices}
-        async for out in handle.outputs():
-            c = choices[out.request_id]
-            c.add(out)
-            text, calls, finish = held[out.request_id].feed(out.new_text), [], None
-            if out.finished:
-                rest, calls, finish = held[out.request_id].finish(out.finish_reason)
-                text += rest
-            has_logprobs = req.logprobs and out.new_logprobs
-            ids_wanted = req.return_token_ids and out.new_token_ids
-            if not (text or out.finished or has_logprobs or ids_wanted):
-                continue  # text held back (part of a character, of a stop string, or of a tool call)
-            yield chunk(
-                ChatChunkChoice(
-                    index=c.index,
-                    delta=Delta(content=text or None, tool_calls=tools.delta_calls(calls) or None),
-                    logprobs=chat_logprobs(ctx.text, out.new_logprobs) if req.logprobs else None,
-                    finish_reason=None if calls else finish,
-                    token_ids=list(out.new_token_ids) if req.return_token_ids else None,
-                )
-            )
-            if calls:  # as OpenAI ends a choice that called tools: an empty delta with the finish_reason
-                yield chunk(ChatChunkChoice(index=c.index, delta=Delta(), finish_reason=finish))
-        if include_usage:
-            final = usage(list(choices.values()), num_prompt_tokens, req.n)
-            chunk_ = ChatCompletionChunk(id=rid, created=created, model=ctx.model_name, choices=[], usage=final)
-            yield sse.event(chunk_)
-    except Exception as exc:  # the status line is sent: report in-band (cancellation is not an Exception)
-        yield sse.error_event(from_exception(exc))
-    yield sse.DONE
+def _messages_text(req: ChatCompletionRequest) -> str:
+    return json.dumps([m.model_dump(exclude_none=True) for m in req.messages])

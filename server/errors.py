@@ -11,7 +11,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import SamplingParamError
-from server.async_engine import EngineDeadError, RequestFailedError, RequestTimeoutError
+from server.async_engine import EngineDeadError
+from server.request_handle import RequestFailedError, RequestTimeoutError
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from engine import TokenLogprob
-from server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprobEntry, TopLogprob
+from server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprobEntry, TopLogprob
 
 _SP_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece byte-fallback tokens
 

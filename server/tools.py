@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from engine import Constraint
 from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, DeltaToolCall, FunctionCall, Tool, ToolCall
+from server.protocol import ChatCompletionRequest, Tool
+from server.responses import DeltaToolCall, FunctionCall, ToolCall
 from server.structured import ANY_OBJECT
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

@@ -1,0 +1,18 @@
+"""The HTTP routes, one module per concern: ``inference`` (completions and chat), ``models``, and
+``ops`` (health and metrics). They reach the app's state through ``deps``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, FastAPI
+
+from server.routes import inference, models, ops
+from server.routes.deps import check_key
+
+
+def include(app: FastAPI) -> None:
+    """/v1/* behind the API key; /health and /metrics open, for probes and scrapers."""
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    v1.include_router(inference.router)
+    v1.include_router(models.router)
+    app.include_router(v1)
+    app.include_router(ops.router)
