@@ -2,78 +2,35 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
+from typing import Any
 
 from engine.core.llm_engine import LLMEngine
-from engine.types.config import CompileMode, EngineConfig, SpeculativeMethod
+from engine.types.config import EngineConfig, SpeculativeMethod
 from engine.types.outputs import CompletionOutput
 from engine.types.sampling_params import SamplingParams
 from engine.types.stats import SpecDecodeStats
 
 
 class LLM:
-    """Batched generation with speculative decoding. ``num_speculative_tokens=None`` is adaptive. ``compile``:
-    a CompileMode or its value (True: compiled at start-up; "background": generate at once, compiled once
+    """Batched generation with speculative decoding: ``LLM(model, **options)``, the options being EngineConfig's
+    fields by name (draft_model, speculative_method, num_speculative_tokens, dtype, device, compile, ...; see
+    engine.types.config), or ``LLM(EngineConfig(...))``. Without a speculative_method, the method is hybrid when a
+    draft_model or draft_layers is given, else none. ``num_speculative_tokens=None`` (the default) is adaptive;
+    ``compile`` is off unless asked for (True: compiled at start-up; "background": generate at once, compiled once
     ready)."""
 
-    def __init__(
-        self,
-        model: str,
-        draft_model: str | None = None,
-        draft_layers: int | None = None,
-        exit_head: bool = True,
-        speculative_method: str | SpeculativeMethod | None = None,
-        num_speculative_tokens: int | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        device_map: str | dict[str, int | str] | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_gb: float = 1.0,
-        ngram_max: int = 4,
-        seed: int = 0,
-        trust_remote_code: bool = False,
-        audit_fraction: float = 0.0,
-        compile: CompileMode | str | bool = False,
-        prefix_caching: bool = True,
-        grammar_drafts: bool = True,
-        cuda_graphs: bool | None = None,
-        paged_attention: str = "auto",
-    ) -> None:
-        if speculative_method is None:
-            speculative_method = SpeculativeMethod.HYBRID if draft_model or draft_layers else SpeculativeMethod.NONE
-        self.engine = LLMEngine(
-            EngineConfig(
-                model=model,
-                draft_model=draft_model,
-                draft_layers=draft_layers,
-                exit_head=exit_head,
-                speculative_method=speculative_method,
-                num_speculative_tokens=num_speculative_tokens,
-                dtype=dtype,
-                device=device,
-                device_map=device_map,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                block_size=block_size,
-                num_kv_blocks=num_kv_blocks,
-                kv_cache_memory_gb=kv_cache_memory_gb,
-                ngram_max=min(ngram_max, 16),
-                seed=seed,
-                trust_remote_code=trust_remote_code,
-                audit_fraction=audit_fraction,
-                compile=compile,
-                prefix_caching=prefix_caching,
-                grammar_drafts=grammar_drafts,
-                cuda_graphs=cuda_graphs,
-                paged_attention=paged_attention,
-            )
-        )
+    def __init__(self, model: str | EngineConfig, **options: Any) -> None:
+        if isinstance(model, EngineConfig):
+            if options:
+                raise TypeError(f"LLM(EngineConfig) takes no other options, got {', '.join(sorted(options))}")
+            config = model
+        else:
+            config = engine_config(model, options)
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     def generate(
@@ -114,3 +71,19 @@ class LLM:
 
     def stats(self) -> SpecDecodeStats:
         return self.engine.spec_stats
+
+
+def engine_config(model: str, options: Mapping[str, Any]) -> EngineConfig:
+    """EngineConfig(model=model, **options), with LLM's two defaults that differ from EngineConfig's own: the method
+    follows from what drafts, and the lookup's longest n is capped at 16 like k."""
+    known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"LLM() got unknown options {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    values = dict(options)
+    if values.get("speculative_method") is None:
+        drafts = values.get("draft_model") or values.get("draft_layers")
+        values["speculative_method"] = SpeculativeMethod.HYBRID if drafts else SpeculativeMethod.NONE
+    if "ngram_max" in values:
+        values["ngram_max"] = min(values["ngram_max"], 16)
+    return EngineConfig(model=model, **values)

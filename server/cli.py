@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -13,27 +14,11 @@ from types import FrameType
 
 import uvicorn
 
-from server.config import (
-    API_KEY_ENV,
-    COMPILE_MODES,
-    CONFIG_ENV,
-    ENV_PREFIX,
-    METHODS,
-    ConfigError,
-    ServerConfig,
-    load_config,
-)
+from server.config import CONFIG_ENV, ENV_PREFIX, ConfigError, ServerConfig
+from server.options_cli import add_option_flags
+from server.options_sources import CONFIG_HELP, gather
 
 logger = logging.getLogger("server")
-
-
-def _k(value: str) -> int | None:
-    if value in ("adaptive", "auto"):
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'adaptive', got {value!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,106 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"{ENV_PREFIX}LOG_REQUESTS=true) and --config from {CONFIG_ENV}. Flags win over the config file, which wins "
         "over the environment.",
     )
-    d = ServerConfig()  # the defaults, for the help text only: absent flags must not override the YAML
-    s.add_argument(
-        "--config", default=None, help=f"YAML file with the same options, dashes or underscores (or set {CONFIG_ENV})"
-    )
-    s.add_argument("--model", help="target model directory or hub id (default: the embedded pair in models/default)")
-    s.add_argument("--draft-model",
-                   help="draft model sharing the target's tokenizer, or an EAGLE-3 head for the target")
-    s.add_argument("--draft-layers", type=int, metavar="L",
-                   help="self-speculation: the target's first L layers, its final norm and LM head draft, over "
-                   "the target's own KV cache (method self; with hybrid, beside lookup and any draft model)")
-    s.add_argument("--speculative-method", choices=METHODS,
-                   help="default: hybrid (draft model + n-gram lookup) with a draft, else none; self: the target's "
-                   "first --draft-layers layers draft (default a third of them); eagle: --draft-model is an EAGLE-3 "
-                   "head reading the target's hidden states (the embedded target has one)")
-    s.add_argument("--num-speculative-tokens", type=_k, help="drafts per step, 0..16, or 'adaptive' (default)")
-    s.add_argument("--served-model-name", help="the model id clients use (default: the model directory's name)")
-    s.add_argument("--chat-template", help="Jinja file to use instead of the tokenizer's chat template")
-    s.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help=f"default {d.dtype}")
-    s.add_argument("--device", help=f"auto, cpu, cuda or cuda:N (default {d.device}); with --device-map, the draft's")
-    s.add_argument(
-        "--device-map",
-        help="split the target across GPUs with accelerate: auto, balanced, balanced_low_0, sequential, or a JSON "
-        'object of module -> device such as \'{"model.embed_tokens": 0, "model.layers.0": 0, ..., "lm_head": 1}\'',
-    )
-    s.add_argument("--max-model-len", type=int, help="context length (default: the model's own)")
-    s.add_argument("--max-num-seqs", type=int, help=f"largest running batch (default {d.max_num_seqs})")
-    s.add_argument("--max-num-batched-tokens", type=int, help=f"tokens per step (default {d.max_num_batched_tokens})")
-    s.add_argument("--kv-cache-memory-gb", type=float, help=f"KV cache budget (default {d.kv_cache_memory_gb})")
-    s.add_argument("--max-queue", type=int, help=f"waiting requests before 429 (default {d.max_queue})")
-    s.add_argument("--max-n", type=int, help=f"most choices (n) per request (default {d.max_n})")
-    s.add_argument(
-        "--max-stop-sequences", type=int, help=f"most stop strings per request (default {d.max_stop_sequences})"
-    )
-    s.add_argument("--max-body-bytes", type=int, help=f"largest request body, else 413 (default {d.max_body_bytes})")
-    s.add_argument(
-        "--request-timeout", type=float,
-        help="seconds a request may take before it is aborted with a 504 (default: no deadline)",
-    )
-    s.add_argument("--host", help=f"bind address (default {d.host}; 0.0.0.0 to listen on every interface)")
-    s.add_argument("--port", type=int, help=f"default {d.port}")
-    s.add_argument("--api-key", help=f"require Authorization: Bearer KEY on /v1 (or set {API_KEY_ENV})")
-    s.add_argument(
-        "--cors-allow-origins",
-        help="comma-separated origins (or '*') that browsers may call the API from (default: no CORS headers)",
-    )
-    s.add_argument("--shutdown-timeout", type=float, help=f"seconds to drain on SIGTERM (default {d.shutdown_timeout})")
-    s.add_argument("--seed", type=int, help=f"engine seed for unseeded sampling (default {d.seed})")
-    s.add_argument(
-        "--audit-fraction", type=float,
-        help="fraction of finished greedy requests re-run without speculation, at the lowest priority, and "
-        f"compared (specd:spec_decode_audit_total; default {d.audit_fraction})",
-    )
-    s.add_argument(
-        "--compile", nargs="?", const="start", choices=COMPILE_MODES, metavar="{auto,off,start,background}",
-        help="torch.compile the target's and the draft's decode and verify forwards, with progress in the log: "
-        "start = before serving (--compile alone), background = serve eagerly at once and switch to the compiled "
-        "forwards when they are ready, auto = background on CPU in float32 where a C++ compiler is found, else "
-        f"off (default {d.compile}; the first compile on a machine takes minutes, later ones read inductor's cache)",
-    )
-    s.add_argument(
-        "--cuda-graphs", action=argparse.BooleanOptionalAction,
-        help="pad decode and verify forwards to static bucket shapes and replay them as CUDA graphs, captured at "
-        "start-up with progress in the log (default: on when the target runs on one GPU, off on CPU and for "
-        "--device-map; output is the same either way)",
-    )
-    s.add_argument(
-        "--paged-attention", choices=("auto", "flex", "gather"),
-        help="how bucketed decode and verify forwards read the KV cache: flex = FlexAttention through the block "
-        "table, in place; gather = each sequence's keys copied into a padded tensor per layer, then SDPA "
-        "(default auto: flex on CUDA, gather on CPU, where it measured faster)",
-    )
-    s.add_argument(
-        "--no-prefix-caching", action="store_false", dest="prefix_caching",
-        help="compute every prompt in full instead of reusing the KV blocks of a prefix an earlier request "
-        "computed (on by default; output is the same either way)",
-    )
-    s.add_argument(
-        "--no-grammar-drafts", action="store_false", dest="grammar_drafts",
-        help="with speculation on, do not draft the tokens a structured request's grammar forces (keys, "
-        "punctuation, closing brackets); they are drafted for free by default and output is the same either way",
-    )
-    s.add_argument(
-        "--token-healing", action="store_true",
-        help="heal the prompt's last token by default: it is backed off and the model re-spells it, so a prompt "
-        "that ends at a line end continues the way the tokenizer would have merged it (requests decide with "
-        "token_healing; never applied by default to structured output)",
-    )
-    s.add_argument(
-        "--trust-remote-code", action="store_true",
-        help="run Python code shipped with the model directory (off by default; a warning is logged when on)",
-    )
-    s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help=f"default {d.log_level}")
-    s.add_argument(
-        "--log-stats-interval", type=float,
-        help=f"seconds between stats log lines while busy, 0 for none (default {d.log_stats_interval:g})",
-    )
-    s.add_argument("--log-requests", action="store_true", help="log one line per request: ids, lengths, timings")
-    s.add_argument(
-        "--log-request-text", action="store_true", help="also log prompts and completions (implies --log-requests)"
-    )
+    s.add_argument("--config", metavar="FILE", default=None, help=f"{CONFIG_HELP} (or set {CONFIG_ENV})")
+    add_option_flags(s, ServerConfig)
     distill = sub.add_parser(
         "distill", help="train a draft for a target on a text corpus: a small draft model by distillation (KL to "
         "the target), with --method eagle an EAGLE-3 head on the target's hidden states, or with --method self an "
@@ -157,16 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str] | None = None) -> ServerConfig:
-    """Flags over the YAML file over the defaults. Raises ConfigError."""
+    """Flags over the YAML file over the environment over the defaults. Raises ConfigError."""
     args = vars(build_parser().parse_args(argv))
     args.pop("command")
     yaml_path = args.pop("config")
-    config = load_config(yaml_path, args)
+    sourced = gather(ServerConfig, yaml_path, args, os.environ)
+    config = sourced.build(ServerConfig)
     config.check_models_exist()
     try:
-        config.engine_config()  # the engine's own checks (dtype, k range, ...), before anything loads
+        config.engine_config()  # the engine's own checks (k range, device map, ...), before anything loads
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        raise sourced.blame(exc) from None
     return config
 
 

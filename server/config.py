@@ -1,9 +1,8 @@
-"""Server configuration: one frozen dataclass, filled from defaults < SPECD_* environment variables < YAML
-file < command-line flags."""
+"""Server configuration: one frozen dataclass whose fields are the options, filled from defaults < SPECD_*
+environment variables < YAML file < command-line flags (server.options_sources)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -11,8 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from server import options_sources
+from server.options import ENV_PREFIX, ConfigError, option, specs
+from server.options_sources import CONFIG_ENV
+
 if TYPE_CHECKING:
     from engine import EngineConfig
+
+__all__ = ["CONFIG_ENV", "ENV_PREFIX", "ConfigError", "ServerConfig", "load_config", "read_env", "read_yaml"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # A non-editable install (the Docker image) has no repository around the package: the image says where the pair is.
@@ -23,66 +28,138 @@ DEFAULT_DRAFT = DEFAULT_PAIR / "draft"
 DEFAULT_EAGLE = DEFAULT_PAIR / "eagle"  # the EAGLE-3 head trained for the embedded target (recipe.eagle)
 DEFAULT_SERVED_NAME = "specd-default"
 COMPILE_MODES = ("auto", "off", "start", "background")  # engine.CompileMode's values
-ENV_PREFIX = "SPECD_"  # SPECD_<OPTION IN CAPITALS> sets any option below
-API_KEY_ENV = "SPECD_API_KEY"
-CONFIG_ENV = "SPECD_CONFIG"  # the YAML file, when --config is not given
 METHODS = ("hybrid", "draft_model", "eagle", "ngram", "self", "none")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-class ConfigError(ValueError):
-    """A configuration the server cannot start with; the message says what to change."""
+# YAML's own forms of three options, turned into what the flag would have given.
+def _json_text(value: Any) -> Any:
+    return json.dumps(value) if isinstance(value, dict) else value  # a device_map mapping: the flag's JSON text
+
+
+def _comma_text(value: Any) -> Any:
+    return ",".join(str(v) for v in value) if isinstance(value, list) else value  # CORS origins as a list
+
+
+def _compile_mode(value: Any) -> Any:
+    # YAML reads a bare off, on, true or false as a boolean.
+    return ("start" if value else "off") if isinstance(value, bool) else value
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model: str | None = None  # None: the embedded default pair under models/default/
-    draft_model: str | None = None
-    draft_layers: int | None = None  # self-speculation: the target's first N layers draft (method self or hybrid)
-    speculative_method: str | None = None  # None: hybrid when a draft is given, else none
-    num_speculative_tokens: int | None = None  # None: adaptive k per sequence per step
-    served_model_name: str | None = None  # None: the model directory's name
-    chat_template: str | None = None  # a Jinja file used instead of the tokenizer's own template
-    dtype: str = "auto"
-    device: str = "auto"  # with device_map: the draft's device
-    # The target split across GPUs by accelerate: auto, balanced, balanced_low_0, sequential, or a JSON object of
-    # module name -> device. Checked by EngineConfig (importing the engine here would load torch).
-    device_map: str | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    kv_cache_memory_gb: float = 1.0
-    max_queue: int = 512  # requests waiting for a batch slot before new ones get 429
-    max_n: int = 128  # choices one request may ask for (OpenAI's limit)
-    max_stop_sequences: int = 4  # stop strings one request may give (OpenAI's limit)
-    max_body_bytes: int = 8 * 2**20  # larger request bodies get 413
-    request_timeout: float | None = None  # seconds before an unfinished request is aborted (504); None: no deadline
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    cors_allow_origins: str | None = None  # comma-separated origins (or "*") browsers may call from; None: no CORS
-    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
-    seed: int = 0
-    trust_remote_code: bool = False
-    audit_fraction: float = 0.0  # of finished greedy requests, re-run without speculation and compared
-    # torch.compile the decode and verify forwards: auto (background on CPU in float32 with a C++ compiler, else
-    # off) | off | start (compiled before serving) | background (served eagerly until compiled)
-    compile: str = "auto"
-    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes earlier requests computed
-    grammar_drafts: bool = True  # with speculation on, draft what a request's grammar forces (free)
-    token_healing: bool = False  # the default of requests that leave token_healing unset (engine.structured.healing)
-    cuda_graphs: bool | None = None  # decode and verify forwards as CUDA graphs; None: on where the model is on one GPU
-    paged_attention: str = "auto"  # bucketed forwards' attention: flex (through the block table) | gather | auto
-    log_level: str = "info"
-    log_stats_interval: float = 10.0  # seconds between stats log lines while busy; 0 turns them off
-    log_requests: bool = False  # one line per request: ids, token counts, timings (never text)
-    log_request_text: bool = False  # also the prompt and completion text (implies log_requests)
+    """Every option of ``specd serve``, declared once: its type, default and help here; its flag, variable, YAML key
+    and docs row derived (server.options). ``engine=True``: passed on to EngineConfig under the same name."""
+
+    model: str | None = option(
+        None, "target model: a directory or a hub id", engine=True, shown_default="the embedded pair"
+    )
+    draft_model: str | None = option(
+        None, "a draft model sharing the target's tokenizer, or an EAGLE-3 head for the target", engine=True,
+        shown_default="the embedded draft without `--model`, else none",
+    )
+    draft_layers: int | None = option(
+        None, "self-speculation: the target's first L layers, its final norm and LM head draft over the target's own "
+        "KV cache (method `self`, or a source of `hybrid`)", metavar="L", engine=True,
+        shown_default="the exit head's depth, else a third of the layers",
+    )
+    speculative_method: str | None = option(
+        None, "`hybrid` (a draft model and n-gram lookup), `draft_model`, `eagle` (`--draft-model` is an EAGLE-3 "
+        "head), `ngram`, `self` (the target's first `--draft-layers` layers) or `none`", choices=METHODS, engine=True,
+        shown_default="`hybrid` with a draft or `--draft-layers`, else `none`",
+    )
+    num_speculative_tokens: int | None = option(
+        None, "drafts per step, 0..16, or `adaptive`: chosen per sequence per step", none_words=("adaptive", "auto"),
+        metavar="K", engine=True, shown_default="`adaptive`",
+    )
+    served_model_name: str | None = option(
+        None, "the model id clients send",
+        shown_default="`specd-default` for the embedded pair, else the model directory's name",
+    )
+    chat_template: str | None = option(
+        None, "a Jinja file used instead of the tokenizer's chat template", metavar="FILE"
+    )
+    dtype: str = option(
+        "auto", "`auto` (bfloat16 on a GPU, float32 on CPU), `float32`, `bfloat16` or `float16`",
+        choices=("auto", "float32", "bfloat16", "float16"), engine=True,
+    )
+    device: str = option("auto", "`auto`, `cpu`, `cuda` or `cuda:N`; with `--device-map`, the draft's", engine=True)
+    # Checked by EngineConfig (importing the engine here would load torch).
+    device_map: str | None = option(
+        None, "split the target across GPUs with accelerate: `auto`, `balanced`, `balanced_low_0`, `sequential` or "
+        "a JSON object of module -> device (in YAML, a mapping)", engine=True, from_yaml=_json_text,
+    )
+    max_model_len: int | None = option(None, "context length", engine=True, shown_default="the model's")
+    max_num_seqs: int = option(64, "largest running batch", engine=True)
+    max_num_batched_tokens: int = option(
+        2048, "tokens per step (prompt chunks, drafts and catch-up included)", engine=True
+    )
+    kv_cache_memory_gb: float = option(1.0, "KV cache budget in GiB, the target's and the draft's together",
+                                       engine=True)
+    max_queue: int = option(512, "requests waiting for a batch slot before new ones get 429")
+    max_n: int = option(128, "most choices (`n`) one request may ask for (OpenAI's limit)")
+    max_stop_sequences: int = option(4, "most stop strings one request may give (OpenAI's limit)")
+    max_body_bytes: int = option(
+        8 * 2**20, "largest request body in bytes; larger ones get 413", shown_default="8388608 (8 MiB)"
+    )
+    request_timeout: float | None = option(
+        None, "seconds before an unfinished request is aborted with a 504", shown_default="none: no deadline"
+    )
+    host: str = option("127.0.0.1", "bind address; `0.0.0.0` to listen on every interface")
+    port: int = option(8000, "TCP port to listen on")
+    api_key: str | None = option(None, "require `Authorization: Bearer KEY` on `/v1/*`", metavar="KEY")
+    cors_allow_origins: str | None = option(
+        None, "comma-separated origins (or `*`) browsers may call the API from (in YAML, a list)",
+        shown_default="none: no CORS headers", from_yaml=_comma_text,
+    )
+    shutdown_timeout: float = option(30.0, "seconds in-flight requests get to finish on SIGTERM or SIGINT")
+    seed: int = option(0, "engine seed for unseeded sampling", engine=True)
+    trust_remote_code: bool = option(
+        False, "run Python code shipped with the model directory (a warning is logged)", engine=True
+    )
+    audit_fraction: float = option(
+        0.0, "share of finished greedy requests re-run without speculation, at the lowest priority, and compared "
+        "(`specd:spec_decode_audit_total`)", engine=True,
+    )
+    compile: str = option(
+        "auto", "`torch.compile` the target's and the draft's decode and verify forwards: `start` before serving "
+        "(the flag alone), `background` serving eagerly until compiled, `off`, or `auto`: `background` on CPU in "
+        "float32 where a C++ compiler is found, else `off` (in YAML, true and false are `start` and `off`); the first "
+        "compile on a machine takes minutes, later ones read inductor's cache",
+        choices=COMPILE_MODES, bare="start", metavar="MODE", engine=True, from_yaml=_compile_mode,
+    )
+    prefix_caching: bool = option(
+        True, "reuse the KV blocks of a prompt prefix an earlier request computed (output is the same either way)",
+        engine=True,
+    )
+    grammar_drafts: bool = option(
+        True, "with speculation on, draft the tokens a structured request's grammar forces (keys, punctuation, "
+        "closing brackets), for free", engine=True,
+    )
+    token_healing: bool = option(
+        False, "heal the prompt's last token unless a request says `token_healing: false` (never by default for "
+        "structured output)",
+    )
+    cuda_graphs: bool | None = option(
+        None, "pad decode and verify forwards to static shapes and replay them as CUDA graphs, captured at start-up "
+        "(output is the same either way)", engine=True,
+        shown_default="on when the target runs on one GPU, else off",
+    )
+    paged_attention: str = option(
+        "auto", "how bucketed decode and verify forwards read the KV cache: `flex` (FlexAttention through the block "
+        "table, in place), `gather` (a padded copy per layer, then SDPA) or `auto`",
+        choices=("auto", "flex", "gather"), engine=True, shown_default="`auto`: `flex` on CUDA, `gather` on CPU",
+    )
+    log_level: str = option("info", "`debug`, `info`, `warning` or `error`", choices=LOG_LEVELS)
+    log_stats_interval: float = option(10.0, "seconds between stats log lines while busy; 0 for none")
+    log_requests: bool = option(False, "log one line per finished request: ids, token counts, timings (never text)")
+    log_request_text: bool = option(False, "also log the prompt and completion text (implies `--log-requests`)")
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check_type(f.name, getattr(self, f.name), f.type)
-        if self.speculative_method is not None and self.speculative_method not in METHODS:
-            valid = ", ".join(METHODS)
-            raise ConfigError(f"speculative_method must be one of {valid}, got {self.speculative_method!r}")
+        for spec in specs(ServerConfig):  # types and choices, as declared
+            problem = spec.problem(getattr(self, spec.name))
+            if problem is not None:
+                raise ConfigError(problem)
         if self.speculative_method in ("draft_model", "eagle") and self.model is not None and not self.draft_model:
             raise ConfigError(f"speculative_method {self.speculative_method} needs --draft-model")
         if (self.speculative_method == "hybrid" and self.model is not None and not self.draft_model
@@ -92,8 +169,6 @@ class ServerConfig:
             raise ConfigError(f"draft_layers must be >= 1, got {self.draft_layers}")
         if self.draft_layers is not None and self.method not in ("self", "hybrid"):
             raise ConfigError(f"draft_layers is for speculative_method self or hybrid, not {self.method}")
-        if self.compile not in COMPILE_MODES:
-            raise ConfigError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
         for name in ("max_n", "max_stop_sequences", "max_body_bytes"):
@@ -166,43 +241,15 @@ class ServerConfig:
     def engine_config(self) -> EngineConfig:
         from engine import EngineConfig  # importing engine loads torch: not needed to check flags
 
+        options = {spec.name: getattr(self, spec.name) for spec in specs(ServerConfig) if spec.option.engine}
+        # The three the server resolves: the embedded pair's paths, and the method a draft implies.
         method = self.method
-        return EngineConfig(
+        options.update(
             model=self.target_path,
             draft_model=self.draft_path if method in ("draft_model", "eagle", "hybrid") else None,
-            draft_layers=self.draft_layers,
             speculative_method=method,
-            num_speculative_tokens=self.num_speculative_tokens,
-            dtype=self.dtype,
-            device=self.device,
-            device_map=self.device_map,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            kv_cache_memory_gb=self.kv_cache_memory_gb,
-            seed=self.seed,
-            trust_remote_code=self.trust_remote_code,
-            audit_fraction=self.audit_fraction,
-            compile=self.compile,
-            prefix_caching=self.prefix_caching,
-            grammar_drafts=self.grammar_drafts,
-            cuda_graphs=self.cuda_graphs,
-            paged_attention=self.paged_attention,
         )
-
-
-def _check_type(name: str, value: Any, annotation: str) -> None:
-    # Annotations are strings under `from __future__ import annotations`; only these few occur.
-    base = annotation.replace(" | None", "")
-    if value is None:
-        if "None" not in annotation:
-            raise ConfigError(f"{name} must not be null")
-        return
-    expected: tuple[type, ...] = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}[base]
-    if isinstance(value, bool) and base != "bool":
-        expected = ()
-    if not isinstance(value, expected):
-        raise ConfigError(f"{name} must be {base}, got {value!r}")
+        return EngineConfig(**options)
 
 
 def load_config(
@@ -211,70 +258,14 @@ def load_config(
     """Defaults, then SPECD_* environment variables, then the YAML file (``yaml_path``, else $SPECD_CONFIG;
     keys with dashes or underscores), then ``overrides`` (the flags actually given on the command line)."""
     env = os.environ if environ is None else environ
-    values = read_env(env)
-    yaml_path = yaml_path or env.get(CONFIG_ENV) or None
-    if yaml_path is not None:
-        values.update(read_yaml(yaml_path))
-    values.update(overrides or {})
-    try:
-        return ServerConfig(**values)
-    except TypeError as exc:  # a bad key would have been caught in read_yaml; keep the message anyway
-        raise ConfigError(str(exc)) from None
-
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+    return options_sources.gather(ServerConfig, yaml_path, overrides, env).build(ServerConfig)
 
 
 def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    """SPECD_<OPTION> for each option (SPECD_MAX_NUM_SEQS=8, SPECD_LOG_REQUESTS=true, SPECD_MODEL=/models/m),
-    converted to the option's type; an empty variable counts as unset."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(ServerConfig):
-        var = ENV_PREFIX + f.name.upper()
-        raw = environ.get(var, "").strip()
-        if not raw:
-            continue
-        base = str(f.type).replace(" | None", "")
-        if f.name == "num_speculative_tokens" and raw in ("adaptive", "auto"):
-            out[f.name] = None
-        elif base == "bool":
-            if raw.lower() not in _TRUE + _FALSE:
-                raise ConfigError(f"{var} must be one of {', '.join(_TRUE + _FALSE)}, got {raw!r}")
-            out[f.name] = raw.lower() in _TRUE
-        elif base in ("int", "float"):
-            try:
-                out[f.name] = int(raw) if base == "int" else float(raw)
-            except ValueError:
-                raise ConfigError(f"{var} must be {base}, got {raw!r}") from None
-        else:
-            out[f.name] = raw
-    return out
+    """The options SPECD_* variables set, converted to their types."""
+    return options_sources.read_env(ServerConfig, environ)
 
 
 def read_yaml(path: str) -> dict[str, Any]:
-    import yaml  # only needed with --config
-
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of option: value")
-    known = {f.name for f in dataclasses.fields(ServerConfig)}
-    out = {}
-    for key, value in data.items():
-        name = str(key).replace("-", "_")
-        if name not in known:
-            raise ConfigError(f"config file {path}: unknown option {key!r} (known: {', '.join(sorted(known))})")
-        if name == "num_speculative_tokens" and value in ("adaptive", "auto"):
-            value = None
-        if name == "compile" and isinstance(value, bool):
-            value = "start" if value else "off"  # YAML reads a bare off/on/true/false as a boolean
-        if name == "device_map" and isinstance(value, dict):
-            value = json.dumps(value)  # a YAML mapping, the same as the flag's JSON text
-        if name == "cors_allow_origins" and isinstance(value, list):
-            value = ",".join(str(v) for v in value)  # a YAML list, the same as the flag's comma-separated text
-        out[name] = value
-    return out
+    """The options a YAML file sets."""
+    return options_sources.read_yaml(ServerConfig, path)

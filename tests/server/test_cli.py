@@ -107,7 +107,7 @@ def test_paged_attention_is_auto_unless_a_flag_a_variable_or_the_yaml_decides(mo
     path.write_text("model: org/m\npaged-attention: flex\n")
     assert parse_config(["serve", "--config", str(path)]).paged_attention == "flex"
     monkeypatch.setenv("SPECD_PAGED_ATTENTION", "bogus")
-    with pytest.raises(ValueError, match="paged_attention must be auto, flex or gather"):
+    with pytest.raises(ValueError, match="paged_attention must be one of auto, flex, gather"):
         parse_config(["serve", "--model", "org/m"]).engine_config()
 
 
