@@ -18,7 +18,7 @@ from engine.types.errors import SamplingParamError
 from engine.types.outputs import CompletionOutput, RequestOutput
 from engine.types.sampling_params import SamplingParams
 from engine.types.sequence import TokenLogprob
-from engine.types.stats import SourceStats, SpecDecodeStats, StepStats
+from engine.types.stats import SourceStats, SpecDecodeStats, StepStats, StepTotals
 
 __all__ = [
     "GRAMMAR_SOURCE",
@@ -39,6 +39,7 @@ __all__ = [
     "SpecDecodeStats",
     "SpeculativeMethod",
     "StepStats",
+    "StepTotals",
     "TokenLogprob",
     "aux_layer_ids",
     "check_text",

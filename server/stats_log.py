@@ -17,8 +17,8 @@ import logging
 import threading
 import time
 
-from engine import RequestOutput, StepStats
-from server.step_window import StepAccumulator, StepTotals
+from engine import RequestOutput, StepStats, StepTotals
+from server.step_window import StepAccumulator
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class StatsLog:
     def log_once(self, elapsed: float) -> str | None:
         """Write the line for the last ``elapsed`` seconds, unless no step ran in them."""
         totals = self._totals.take()
-        if totals.steps == 0:
+        if totals.num_steps == 0:
             return None
         with self._lock:
             running, waiting, kv = self._state
@@ -73,15 +73,15 @@ class StatsLog:
 
 def format_line(t: StepTotals, elapsed: float, running: int, waiting: int, kv_usage: float) -> str:
     spec = "acceptance -"
-    if t.draft_tokens:
+    if t.num_draft_tokens:
         rates = [f"{name} {s.acceptance_rate:.1%}" for name, s in sorted(t.by_source.items()) if s.num_draft_tokens]
         split = f" ({', '.join(rates)})" if len(rates) > 1 else ""
         spec = f"acceptance {t.acceptance_rate:.1%}{split}, mean accepted length {t.mean_accepted_length:.2f}"
-    preempted = f", preempted {t.preempted}" if t.preempted else ""
-    if t.prefix_queries:
-        preempted += f", prefix cache hits {t.prefix_hits / t.prefix_queries:.1%}"
+    preempted = f", preempted {t.num_preempted}" if t.num_preempted else ""
+    if t.prefix_cache_queries:
+        preempted += f", prefix cache hits {t.prefix_cache_hits / t.prefix_cache_queries:.1%}"
     elapsed = max(elapsed, 1e-9)
     return (
-        f"generation {t.generated_tokens / elapsed:.1f} tok/s, prefill {t.prompt_tokens / elapsed:.1f} tok/s | "
+        f"generation {t.num_generated_tokens / elapsed:.1f} tok/s, prefill {t.num_prompt_tokens / elapsed:.1f} tok/s | "
         f"running {running}, waiting {waiting} | {spec}, k {t.mean_k:.2f} | KV cache {kv_usage:.1%}{preempted}"
     )

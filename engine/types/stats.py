@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine.types.draft_state import GRAMMAR_SOURCE
@@ -120,7 +120,7 @@ class StepStats:
             accepted_per_position=tuple(pos_counts),
             accepted_lengths=tuple(v.num_accepted + 1 for v in drafted),
             num_decoding=decoding,
-            mean_k=n_draft_tokens / decoding if decoding else 0.0,
+            mean_k=ratio(n_draft_tokens, decoding),
             num_preempted=len(sched.preempted),
             prefix_cache_queries=sched.prefix_queried,
             prefix_cache_hits=sched.prefix_hit,
@@ -152,9 +152,15 @@ class AuditStats:
             setattr(self, r, getattr(self, r) + 1)
 
 
+def ratio(num: int, den: int) -> float:
+    """num / den, and 0 over nothing: the rule of every mean and rate over steps (the metrics docs' "0 without
+    drafts"), so that an idle window or interval reads 0 rather than NaN."""
+    return num / den if den else 0.0
+
+
 @dataclass
 class SourceStats:
-    """One draft source's cumulative counts (SourceStepStats summed)."""
+    """One draft source's counts summed over steps (SourceStepStats summed)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -162,7 +168,7 @@ class SourceStats:
 
     @property
     def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return ratio(self.num_accepted_tokens, self.num_draft_tokens)
 
     def add(self, step: SourceStepStats, sign: int = 1) -> None:
         """``sign`` -1 takes a step back out (a sliding window)."""
@@ -172,36 +178,74 @@ class SourceStats:
 
 
 @dataclass
-class SpecDecodeStats:
-    """Cumulative speculation counters since the engine started; ``by_source`` splits them by the source
-    that drafted (keyed by its name, e.g. "draft_model", "ngram", "self", "grammar")."""
+class StepTotals:
+    """StepStats summed over a set of steps: since the engine started (``LLM.stats()``), over the /metrics
+    sliding window, or over the stats log's interval. Every mean and rate over steps is defined here once,
+    so that the log, /metrics and the engine read the same number from the same steps. ``by_source`` splits
+    the speculation sums by the source that drafted (keyed by its name, e.g. "draft_model", "ngram",
+    "self", "grammar")."""
 
-    num_drafts: int = 0
+    num_steps: int = 0
+    num_prompt_tokens: int = 0  # prefill work, recomputation after preemption included
+    num_generated_tokens: int = 0
+    num_drafts: int = 0  # sequence-steps that verified at least one draft
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     num_forced_draft_tokens: int = 0
     num_forced_accepted_tokens: int = 0
+    num_decoding: int = 0  # decoding sequence-steps: the denominator of the mean k
+    num_preempted: int = 0
+    prefix_cache_queries: int = 0  # admitted tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, found there
     by_source: dict[str, SourceStats] = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        """Accepted / drafted tokens; 0 without drafts."""
+        return ratio(self.num_accepted_tokens, self.num_draft_tokens)
+
+    def acceptance_rate_of(self, source: str) -> float:
+        """One draft source's accepted / drafted tokens; 0 without its drafts."""
+        s = self.by_source.get(source)
+        return s.acceptance_rate if s is not None else 0.0
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens emitted per verify step: accepted drafts plus the recovered or bonus token."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+        """The mean of the accepted-length histogram (specd:spec_decode_accepted_length): tokens emitted per
+        drafting sequence-step, accepted drafts + 1 (StepStats.accepted_lengths sum to num_accepted_tokens
+        + num_drafts); 0 without drafts, since a histogram with no observations has no mean to report."""
+        return ratio(self.num_accepted_tokens + self.num_drafts, self.num_drafts)
 
-    def add(self, step: StepStats) -> None:
-        self.num_drafts += step.num_drafts
-        self.num_draft_tokens += step.num_draft_tokens
-        self.num_accepted_tokens += step.num_accepted_tokens
-        self.num_forced_draft_tokens += step.num_forced_draft_tokens
-        self.num_forced_accepted_tokens += step.num_forced_accepted_tokens
+    @property
+    def mean_k(self) -> float:
+        """Drafts per decoding sequence-step: the k the adaptive policy has been choosing; 0 without any."""
+        return ratio(self.num_draft_tokens, self.num_decoding)
+
+    def add(self, step: StepStats, sign: int = 1) -> None:
+        """``sign`` -1 takes a step back out (a sliding window)."""
+        self.num_steps += sign
+        self.num_prompt_tokens += sign * step.num_prompt_tokens
+        self.num_generated_tokens += sign * step.num_generated_tokens
+        self.num_drafts += sign * step.num_drafts
+        self.num_draft_tokens += sign * step.num_draft_tokens
+        self.num_accepted_tokens += sign * step.num_accepted_tokens
+        self.num_forced_draft_tokens += sign * step.num_forced_draft_tokens
+        self.num_forced_accepted_tokens += sign * step.num_forced_accepted_tokens
+        self.num_decoding += sign * step.num_decoding
+        self.num_preempted += sign * step.num_preempted
+        self.prefix_cache_queries += sign * step.prefix_cache_queries
+        self.prefix_cache_hits += sign * step.prefix_cache_hits
         pos = self.accepted_per_position
         pos.extend([0] * (len(step.accepted_per_position) - len(pos)))
         for i, n in enumerate(step.accepted_per_position):
-            pos[i] += n
+            pos[i] += sign * n
         for source in step.by_source:
-            self.by_source.setdefault(source.name, SourceStats()).add(source)
+            self.by_source.setdefault(source.name, SourceStats()).add(source, sign)
+
+    def copy(self) -> StepTotals:
+        return replace(self, accepted_per_position=list(self.accepted_per_position),
+                       by_source={name: replace(s) for name, s in self.by_source.items()})
+
+
+SpecDecodeStats = StepTotals  # the name LLM.stats() has always returned its totals under

@@ -15,10 +15,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import SamplingParams, StepStats
+from engine import SamplingParams, StepStats, StepTotals
 from server.async_engine import AsyncEngine, EngineRequest
 from server.metrics import Metrics
 from server.request_stats import RequestInfo, RequestTracking
+from server.stats_log import format_line
+from server.step_window import StepAccumulator
 from tests.server.conftest import MODEL, slow_steps, tiny_engine
 
 pytestmark = pytest.mark.timeout(90)
@@ -362,6 +364,31 @@ def test_accepted_length_histogram_has_one_cumulative_bucket_per_length():
     assert [buckets[le] for le in ("1.0", "2.0", "3.0", "4.0", "5.0", "17.0", "+Inf")] == [1, 1, 2, 2, 3, 3, 4]
     assert s.value("specd:spec_decode_accepted_length_count") == 4
     assert s.value("specd:spec_decode_accepted_length_sum") == 29
+
+
+def test_mean_accepted_length_with_no_drafts_is_the_same_in_log_and_metrics():
+    m = Metrics("m", clock=Clock())
+    log = StepAccumulator()  # what the stats log line sums over its interval
+    engine = StepTotals()  # what LLM.stats() sums
+
+    def feed(step: StepStats) -> tuple[StepTotals, float]:
+        """(the log's interval totals, the accepted-length histogram's count) after one more step."""
+        m.observe_step(step, [])
+        log.add(step)
+        engine.add(step)
+        return log.take(), Scrape(m.render().decode()).value("specd:spec_decode_accepted_length_count")
+
+    interval, count = feed(step_stats(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
+                                      accepted_per_position=(), accepted_lengths=(), num_decoding=2, mean_k=0.0))
+    assert type(interval) is type(m.window.totals()) is StepTotals, "one totals class"
+    assert interval.mean_accepted_length == m.window.totals().mean_accepted_length == engine.mean_accepted_length == 0
+    assert count == 0, "no observations: the histogram has no mean either"
+    assert "acceptance -," in format_line(interval, 1.0, 1, 0, 0.0), "the log shows no mean without drafts"
+    interval, count = feed(step_stats(num_drafts=2, num_draft_tokens=8, num_accepted_tokens=5, accepted_lengths=(5, 2)))
+    histogram_mean = Scrape(m.render().decode()).value("specd:spec_decode_accepted_length_sum") / count
+    assert interval.mean_accepted_length == m.window.totals().mean_accepted_length == histogram_mean == 3.5
+    assert engine.mean_accepted_length == 3.5
+    assert "mean accepted length 3.50," in format_line(interval, 1.0, 1, 0, 0.0)
 
 
 # ---- layering ------------------------------------------------------------------------------------------

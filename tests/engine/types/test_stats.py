@@ -133,6 +133,9 @@ def assert_every_split_sums_to_its_total(engine: LLMEngine, r: Run) -> None:
         assert s.num_draft_tokens == sum(e[name].num_draft_tokens for e in r.expected.values() if name in e), name
         assert s.num_accepted_tokens == sum(e[name].num_accepted_tokens for e in r.expected.values() if name in e), name
         assert s.acceptance_rate == s.num_accepted_tokens / s.num_draft_tokens
+    # The mean accepted length is the accepted-length histogram's mean (docs: specd:spec_decode_accepted_length).
+    lengths = [n for st in r.steps for n in st.accepted_lengths]
+    assert stats.mean_accepted_length == pytest.approx(sum(lengths) / len(lengths))
 
 
 def test_a_hybrid_run_splits_steps_totals_and_requests_exactly_between_the_draft_model_and_ngram(model_sets):
