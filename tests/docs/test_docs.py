@@ -166,6 +166,16 @@ def test_every_metric_the_server_exports_is_documented():
     assert not missing, f"docs/observability.md does not describe {missing}"
 
 
+def test_every_route_the_server_serves_is_documented():
+    source = "\n".join(p.read_text() for p in (ROOT / "server").rglob("*.py"))
+    routes = {re.sub(r"\{(\w+):\w+\}", r"{\1}", path)
+              for path in re.findall(r"@\w+\.(?:get|post|put|patch|delete)\(\s*\"([^\"]+)\"", source)}
+    assert routes, "no routes found under server/"
+    documented = (ROOT / "docs" / "api.md").read_text()
+    missing = sorted(r for r in routes if f"{r}`" not in documented)
+    assert not missing, f"docs/api.md's routes table does not list {missing}"
+
+
 # ---- code blocks -----------------------------------------------------------------------------------------------
 
 BLOCKS = [b for page in PAGES for b in fenced_blocks(page)]
