@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from recipe.corpus import CorpusFile
+    from recipe.frozen_target import TrainJob
 
 logger = logging.getLogger("recipe")
 
@@ -109,17 +110,11 @@ def run(args: argparse.Namespace) -> int:
 def _eagle(args: argparse.Namespace, corpus: list[CorpusFile], held_out: list[CorpusFile] | None,
            corpus_name: str) -> int:
     from recipe.eagle import EagleSetup, train_eagle
-    from recipe.train import TrainConfig
 
     setup = EagleSetup(ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
                        aux_layers=tuple(args.aux_layers) if args.aux_layers else None, seq_len=args.seq_len,
                        batch_size=args.batch_size, seed=args.seed)
-    cfg = TrainConfig(steps=args.steps, lr=args.lr, log_every=args.log_every, eval_every=max(1, args.steps // 5),
-                      warmup_steps=min(100, max(1, args.steps // 10)))
-    if args.trust_remote_code:
-        logger.warning("--trust-remote-code: the target's repository code will run in this process")
-    train_eagle(args.target, Path(args.out), corpus, cfg, setup, args.device, held_out=held_out,
-                corpus_name=corpus_name, trust_remote_code=args.trust_remote_code)
+    train_eagle(_head_job(args, corpus, held_out, corpus_name), setup)
     return 0
 
 
@@ -128,20 +123,28 @@ def _self(args: argparse.Namespace, corpus: list[CorpusFile], held_out: list[Cor
     from transformers import AutoTokenizer
 
     from recipe.self_distill import SelfSetup, train_exit
-    from recipe.train import TrainConfig
 
     setup = SelfSetup(exit_layers=args.draft_layers, draft_vocab=args.draft_vocab, tune_layers=args.tune_layers,
                       quality_weight=args.quality_weight, seq_len=args.seq_len, batch_size=args.batch_size,
                       seed=args.seed)
+    job = _head_job(args, corpus, held_out, corpus_name)
+    tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code)
+    train_exit(job, setup, byte_lengths=_byte_lengths(tokenizer))
+    return 0
+
+
+def _head_job(args: argparse.Namespace, corpus: list[CorpusFile], held_out: list[CorpusFile] | None,
+              corpus_name: str) -> TrainJob:
+    """The run of a head recipe (eagle, self); both warm up for a tenth of the steps, at most 100."""
+    from recipe.frozen_target import TrainJob
+    from recipe.train import TrainConfig
+
     cfg = TrainConfig(steps=args.steps, lr=args.lr, log_every=args.log_every, eval_every=max(1, args.steps // 5),
                       warmup_steps=min(100, max(1, args.steps // 10)))
     if args.trust_remote_code:
         logger.warning("--trust-remote-code: the target's repository code will run in this process")
-    tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code)
-    train_exit(args.target, Path(args.out), corpus, cfg, setup, args.device, held_out=held_out,
-               corpus_name=corpus_name, trust_remote_code=args.trust_remote_code,
-               byte_lengths=_byte_lengths(tokenizer))
-    return 0
+    return TrainJob(args.target, Path(args.out), corpus, cfg, args.device, held_out, corpus_name,
+                    args.trust_remote_code)
 
 
 def _byte_lengths(tokenizer: object) -> torch.Tensor | None:

@@ -17,12 +17,11 @@ import torch
 from transformers import LlamaConfig, PretrainedConfig
 
 from engine import Eagle3Head, aux_layer_ids, save_head
-from recipe.corpus import CorpusFile
 from recipe.data import random_windows
 from recipe.distill import param_count, pick_device
 from recipe.eagle_ttt import STEP_DECAY, ttt_agreement, ttt_forward, ttt_losses, weighted_loss
-from recipe.frozen_target import choose_draft_vocab, load_frozen, tokenize
-from recipe.train import TrainConfig, TrainResult, train
+from recipe.frozen_target import TrainJob, choose_draft_vocab, load_frozen, tokenize
+from recipe.train import TrainResult, train
 
 logger = logging.getLogger("recipe")
 
@@ -92,19 +91,10 @@ def target_pass(target: torch.nn.Module, windows: torch.Tensor, aux: tuple[int, 
     return windows[:, 1:], hidden[:, :-1], out.logits[:, 1:].float()
 
 
-def train_eagle(
-    target_path: str,
-    out: Path,
-    corpus: list[CorpusFile],
-    cfg: TrainConfig,
-    setup: EagleSetup,
-    device: str = "auto",
-    held_out: list[CorpusFile] | None = None,
-    corpus_name: str = "",
-    trust_remote_code: bool = False,
-) -> TrainResult:
-    dev = pick_device(device)
-    tokenizer, target, saved_dtype = load_frozen(target_path, dev, trust_remote_code)
+def train_eagle(job: TrainJob, setup: EagleSetup) -> TrainResult:
+    target_path, out, corpus, cfg, held_out = job.target_path, job.out, job.corpus, job.cfg, job.held_out
+    dev = pick_device(job.device)
+    tokenizer, target, saved_dtype = load_frozen(target_path, dev, job.trust_remote_code)
     text = target.config.get_text_config()
     vocab, num_layers = text.vocab_size, text.num_hidden_layers
     aux = setup.aux_layers or default_aux_layers(num_layers)
@@ -173,7 +163,7 @@ def train_eagle(
         "final_loss_by_step": [round(sum(h[s] for h in tail) / len(tail), 4) for s in range(setup.ttt_steps)],
         "loss_curve": _curve(history, cfg.log_every),
         "eval_split": eval_split, "eval_windows": list(windows.shape), "agreement": evals,
-        "corpus": {"name": corpus_name, "files": len(corpus), "tokens": stream.numel(),
+        "corpus": {"name": job.corpus_name, "files": len(corpus), "tokens": stream.numel(),
                    "held_out_files": len(held_out or []), "held_out_tokens": data.eval_tokens if held_out else 0},
     }
     save(head, out, record, saved_dtype)

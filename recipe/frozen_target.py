@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -12,8 +13,24 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from recipe import draft_vocab
 from recipe.corpus import CorpusFile
 from recipe.data import eval_windows, token_stream
+from recipe.train import TrainConfig
 
 logger = logging.getLogger("recipe")
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """One run of a recipe that trains a drafter on a frozen target: what it reads, where it writes, how long
+    it trains. What the drafter is (an EAGLE head, an exit head) is the recipe's own setup."""
+
+    target_path: str
+    out: Path
+    corpus: list[CorpusFile]
+    cfg: TrainConfig
+    device: str = "auto"  # "auto": CUDA when there is one
+    held_out: list[CorpusFile] | None = None  # None: evaluate on the training corpus
+    corpus_name: str = ""  # how the training record names the corpus
+    trust_remote_code: bool = False
 
 
 def load_frozen(target_path: str, dev: torch.device,

@@ -27,12 +27,11 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from engine import ExitHead, decoder_layers, exit_head, truncate
-from recipe.corpus import CorpusFile
 from recipe.data import random_windows
 from recipe.distill import param_count, pick_device
-from recipe.frozen_target import choose_draft_vocab, load_frozen, tokenize
+from recipe.frozen_target import TrainJob, choose_draft_vocab, load_frozen, tokenize
 from recipe.objectives import bits_per_byte
-from recipe.train import TrainConfig, TrainResult, train
+from recipe.train import TrainResult, train
 
 logger = logging.getLogger("recipe")
 
@@ -112,22 +111,12 @@ def bits_per_token(model: torch.nn.Module, windows: torch.Tensor) -> float:
     return nats / n / torch.log(torch.tensor(2.0)).item()
 
 
-def train_exit(
-    target_path: str,
-    out: Path,
-    corpus: list[CorpusFile],
-    cfg: TrainConfig,
-    setup: SelfSetup,
-    device: str = "auto",
-    held_out: list[CorpusFile] | None = None,
-    corpus_name: str = "",
-    trust_remote_code: bool = False,
-    byte_lengths: torch.Tensor | None = None,
-) -> TrainResult:
+def train_exit(job: TrainJob, setup: SelfSetup, byte_lengths: torch.Tensor | None = None) -> TrainResult:
     """Train the exit head (and with setup.tune_layers the first layers) and write OUT (see the module doc).
     ``byte_lengths`` [V] (bytes each token spells) adds held-out bits per byte to the quality record."""
-    dev = pick_device(device)
-    tokenizer, target, saved_dtype = load_frozen(target_path, dev, trust_remote_code)
+    target_path, out, corpus, cfg, held_out = job.target_path, job.out, job.corpus, job.cfg, job.held_out
+    dev = pick_device(job.device)
+    tokenizer, target, saved_dtype = load_frozen(target_path, dev, job.trust_remote_code)
     text = target.config.get_text_config()
     vocab, num_layers, hidden = text.vocab_size, text.num_hidden_layers, text.hidden_size
     layers = setup.exit_layers or max(1, num_layers // 3)
@@ -217,7 +206,7 @@ def train_exit(
                                    / len(history[i : i + cfg.log_every]), 4)]
                             for i in range(0, len(history), cfg.log_every)],
         "eval_split": eval_split, "eval_windows": list(windows.shape), "agreement": evals, "quality": quality,
-        "corpus": {"name": corpus_name, "files": len(corpus), "tokens": stream.numel()},
+        "corpus": {"name": job.corpus_name, "files": len(corpus), "tokens": stream.numel()},
     }
     write(target_path, target if setup.tune_layers else None, tokenizer, head, out, record, saved_dtype)
     return result

@@ -11,6 +11,7 @@ from recipe.corpus import text_files
 from recipe.data import token_stream
 from recipe.eagle import EagleSetup, default_aux_layers, eagle_config, train_eagle
 from recipe.eagle_ttt import ttt_forward, ttt_mask
+from recipe.frozen_target import TrainJob
 from recipe.train import TrainConfig
 from server.cli import main
 from tests.recipe.conftest import TARGET, distill_on_one_thread
@@ -90,8 +91,8 @@ def test_training_lowers_the_loss_and_writes_a_head_load_head_reads(tiny_target,
     train_dir, held_dir = corpus_dirs
     cfg = TrainConfig(steps=40, lr=3e-3, warmup_steps=4, log_every=8, eval_every=20)
     setup = EagleSetup(ttt_steps=3, draft_vocab=64, seq_len=32, batch_size=4, seed=3, eval_windows=4)
-    train_eagle(str(tiny_target), tmp_path, text_files([str(train_dir)]), cfg, setup, "cpu",
-                held_out=text_files([str(held_dir)]), corpus_name="tiny")
+    train_eagle(TrainJob(str(tiny_target), tmp_path, text_files([str(train_dir)]), cfg, "cpu",
+                         held_out=text_files([str(held_dir)]), corpus_name="tiny"), setup)
     record = json.loads((tmp_path / "training.json").read_text())
     curve = [loss for _, loss in record["loss_curve"]]
     assert curve[-1] < 0.8 * curve[0], curve

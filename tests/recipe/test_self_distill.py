@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from engine import LLM, SamplingParams
 from engine.models import exit_head
 from recipe.corpus import text_files
+from recipe.frozen_target import TrainJob
 from recipe.self_distill import SelfSetup, exit_loss, train_exit
 from recipe.train import TrainConfig
 from server.cli import main
@@ -33,8 +34,8 @@ def _train(target, corpus_dirs, out, steps=30, **setup):  # noqa: ANN001, ANN003
     train_dir, held_dir = corpus_dirs
     cfg = TrainConfig(steps=steps, lr=3e-3, warmup_steps=3, log_every=10, eval_every=max(1, steps // 2))
     defaults = dict(exit_layers=1, draft_vocab=200, seq_len=32, batch_size=4, seed=3, eval_windows=4)
-    train_exit(str(target), out, text_files([str(train_dir)]), cfg, SelfSetup(**{**defaults, **setup}), "cpu",
-               held_out=text_files([str(held_dir)]), corpus_name="tiny")
+    train_exit(TrainJob(str(target), out, text_files([str(train_dir)]), cfg, "cpu",
+                        held_out=text_files([str(held_dir)]), corpus_name="tiny"), SelfSetup(**{**defaults, **setup}))
     return json.loads((out / exit_head.DIR_NAME / "training.json").read_text())
 
 
