@@ -100,7 +100,7 @@ def parse_args() -> argparse.Namespace:
                          "whenever the other process holds a core, measured ~8x slower)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "engine.md")
-    ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "bench_engine.png")
+    ap.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "results" / "bench_engine.png")
     args = ap.parse_args()
     if (args.target is None) != (args.draft is None):
         ap.error("give both --target and --draft, or neither")

@@ -18,7 +18,7 @@ are read), plus the K/V of every sequence's context.
 
     python benchmarks/cuda_step.py --out benchmarks/results/cuda_step.json
     python benchmarks/cuda_step.py --device cpu --tiny      # a seconds-long check of the script itself
-    python benchmarks/cuda_step.py --plot benchmarks/results/cuda_step.json --png docs/cuda_step.png
+    python benchmarks/cuda_step.py --plot benchmarks/results/cuda_step.json --png benchmarks/results/cuda_step.png
 """
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ def main() -> None:
                    help="the bucketed forwards' attention: a padded gather + SDPA, or FlexAttention in place")
     p.add_argument("--out", type=Path)
     p.add_argument("--plot", type=Path, help="plot a result file instead of measuring")
-    p.add_argument("--png", type=Path, default=Path("docs/cuda_step.png"))
+    p.add_argument("--png", type=Path, default=Path("benchmarks/results/cuda_step.png"))
     args = p.parse_args()
     if args.plot:
         result = json.loads(args.plot.read_text())

@@ -19,7 +19,7 @@ share of step time spent computing grammar masks (the issue's goal: under 10% at
 many outputs are complete and valid against the schema, and whether the three engines' outputs are
 identical (they must be: greedy under the same grammar). The bound beside each ratio is the mean
 tokens emitted per target forward, the speedup if drafting and longer forwards were free.
-Writes benchmarks/results/structured.json and docs/structured.png.
+Writes benchmarks/results/structured.json and benchmarks/results/structured.png.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "structured.json")
-    ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "structured.png")
+    ap.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "results" / "structured.png")
     args = ap.parse_args()
     torch.set_num_threads(2)
     llms = {name: LLM(str(PAIR / "target"), dtype="float32", device="cpu", **kw) for name, kw in ENGINES.items()}

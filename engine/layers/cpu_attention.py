@@ -8,7 +8,7 @@ read) and every padded key too. torch has no CPU kernel that reads through a blo
 and an inductor-generated indirect read were measured slower than the gather), and of the CPU libraries that have
 one, intel-extension-for-pytorch stopped at 2.8.0 (built for torch 2.8) and vLLM's CPU build is not on PyPI.
 benchmarks/cpu_attention.py measures both side by side: eager forwards of the embedded target at 32 sequences
-1.55x faster at one token each, 2.0x at five (docs/benchmarks.md).
+1.55x faster at one token each, 2.0x at five (benchmarks/results/cpu_attention.json).
 
 No compiler, an unwritable cache, or a layout the kernel does not take (not float32, a sliding window): the
 caller keeps the gather path, which computes the same attention.

@@ -37,7 +37,7 @@ SWITCH_INTERVAL = 1e-4  # seconds: the GIL's switch interval while a background 
 def resolve_mode(mode: CompileMode, device: torch.device, dtype: torch.dtype, split: bool, eagle: bool) -> CompileMode:
     """What ``mode`` comes to for a target on ``device`` in ``dtype`` (``split``: across devices by a device map;
     ``eagle``: an EAGLE head reads its hidden states). AUTO: BACKGROUND where compiling measured faster at every
-    batch size (float32 on CPU; docs/compare.md) and inductor finds its C++ compiler, else OFF. BACKGROUND
+    batch size (float32 on CPU; docs/performance.md) and inductor finds its C++ compiler, else OFF. BACKGROUND
     becomes START on CUDA (the graphs capture the compiled forwards at start-up; the staging buffers rotate
     per process), for a split model, and with an EAGLE head (its hidden-state hooks are not per thread)."""
     if mode is CompileMode.AUTO:

@@ -95,7 +95,7 @@ def test_loading_the_kernel_leaves_the_processes_floating_point_state_alone():
     interpreter that loads it."""
     code = (
         "import sys, torch\n"
-        "from engine import cpu_attention\n"
+        "from engine.layers import cpu_attention\n"
         "assert cpu_attention.kernel() is not None\n"
         "tiny = sys.float_info.min / 4\n"
         "assert tiny > 0, 'flush-to-zero in Python floats'\n"

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine import LLM, EngineConfig, SamplingParams
 from engine.layers.kv_cache import LayerShape, PagedKVCache
 from engine.types.config import parse_device_map
-from engine.worker import model_runner
+from engine.worker import loading
 from engine.worker.layout import build_metadata
 from engine.worker.staging import Uploader
 from tests.engine.lossless import MAX_NEW, Reference, assert_same_as_target, prompts_for
@@ -49,7 +49,7 @@ def test_a_target_placed_by_an_explicit_device_map_decodes_like_the_unsplit_targ
         maps_given[str(path)] = kwargs.get("device_map")
         return from_pretrained(path, **kwargs)
 
-    monkeypatch.setattr(model_runner.AutoModelForCausalLM, "from_pretrained", spy)
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", spy)
     llm = LLM(
         model=str(ms.target),
         draft_model=str(ms.draft) if method == "draft_model" else None,
