@@ -20,13 +20,14 @@ instead would cost target forwards on every cache hit.
 
 from __future__ import annotations
 
-import time
+from functools import partial
 
 import torch
 
 from engine.layers import attention
 from engine.layers.kv_cache import LayerShape, PagedKVCache
 from engine.models.eagle_head import Eagle3Head, aux_layer_ids, load_head
+from engine.speculative.chain import chain_batch, draft_chain
 from engine.speculative.draft_model import DraftModelSource
 from engine.speculative.source import DraftRequest, Proposal
 from engine.types.schedule import ScheduledSeq
@@ -133,65 +134,39 @@ class EagleSource(DraftModelSource):
             row += n
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
-        n = len(requests)
-        K = max(r.max_drafts for r in requests)
-        dev = self.eagle.device
-        drafted = torch.zeros(n, max(K, 1), dtype=torch.long, device=dev)  # [n, K]
-        needs_q = [not r.seq.params.greedy and r.seq.params.seed is None for r in requests]
-        probs = torch.zeros(n, K, self.vocab, device=dev) if any(needs_q) else None  # [n, K, V]
-        penalised = any(r.seq.params.uses_penalties for r in requests)
-        walked = [0] * n
-        lengths = [r.max_drafts for r in requests]
-        active = list(range(n))
-        hidden = None  # [a, H]: the chain's input hidden rows, the previous step's pre-norm outputs
-        for j in range(max(K, 1)):
+        rows: list[int] = []  # the requests behind the last forward's logits rows (and self.eagle.prenorm's)
+
+        def position(j: int, active: list[int], drafted: torch.Tensor) -> torch.Tensor:
             seqs = [requests[i].seq for i in active]
             if j == 0:  # the target-fed positions: catch up, the last of them (when drafting) drafting
-                starts = [s.draft_num_computed for s in seqs]
-                counts = [requests[i].catch_up + (1 if requests[i].max_drafts else 0) for i in active]
-                feeds = [s.token_ids[c + 1 : c + 1 + m] for s, c, m in zip(seqs, starts, counts)]
-                rows = []
-                for s, m in zip(seqs, counts):
-                    waiting = s.draft_hidden
-                    assert waiting is not None and waiting.shape[0] >= m, "the head is missing hidden states"
-                    rows.append(waiting[:m])
-                    s.draft_hidden = waiting[m:] if waiting.shape[0] > m else None
-                    s.draft_num_computed += m
-                batch = ForwardBatch(feeds, starts, [s.block_table for s in seqs],
-                                     [1 if requests[i].max_drafts else 0 for i in active])
-                rows_in = torch.cat(rows)
+                batch, hidden = self._catch_up(requests, active)
             else:  # chain: the previous draft at the next position, with the head's own last output
-                starts = [s.num_computed + j - 1 for s in seqs]
-                index = torch.tensor(active, device=dev)
-                batch = ForwardBatch([[0]] * len(active), starts, [s.block_table for s in seqs], [1] * len(active),
-                                     input_ids=drafted[index, j - 1])
-                assert hidden is not None
-                rows_in = hidden
-            logits = self._forward(batch, rows_in)
-            drafting = [i for i in active if requests[i].max_drafts]
-            if not drafting:
-                break
-            prenorm = self.eagle.prenorm
-            assert prenorm is not None
-            so_far = drafted[drafting, :j].tolist() if penalised else [[0] * j] * len(drafting)
-            picked, q = self._pick(logits, [requests[i] for i in drafting], so_far)
-            self._record(requests, drafting, j, picked, q, drafted, probs, walked, lengths)
-            # logits rows (and so prenorm rows) follow ``active``'s order, drafting rows only.
-            nxt = [i for i in drafting if lengths[i] > j + 1]
-            if not nxt:
-                break
-            pos = {i: r for r, i in enumerate(drafting)}
-            hidden = prenorm[torch.tensor([pos[i] for i in nxt], device=dev)]
-            active = nxt
-        for r, w in zip(requests, walked):
-            if r.seq.grammar is not None:
-                r.seq.grammar.pop(w)
-        rows_out = drafted.tolist()
-        return Proposal(tokens=[rows_out[i][:length] for i, length in enumerate(lengths)], probs=probs)
+                batch = chain_batch(seqs, [s.num_computed + j - 1 for s in seqs], drafted, active, j)
+                prenorm = self.eagle.prenorm  # [R, H]
+                assert prenorm is not None
+                at = {i: r for r, i in enumerate(rows)}
+                hidden = prenorm[torch.tensor([at[i] for i in active], device=self.eagle.device)]  # [a, H]
+            logits = self._timed(batch, partial(self.eagle.forward, hidden=hidden))
+            rows[:] = [i for i in active if requests[i].max_drafts]
+            return logits
 
-    def _forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
-        logits = self.eagle.forward(batch, hidden)
-        self.eagle.synchronize()
-        self._forward_times.append((sum(len(t) for t in batch.token_ids), time.perf_counter() - t0))
-        return logits
+        return draft_chain(requests, position, self.vocab, self.eos_ids, self.eagle.device)
+
+    @staticmethod
+    def _catch_up(requests: list[DraftRequest], active: list[int]) -> tuple[ForwardBatch, torch.Tensor]:
+        """Position 0: each active row feeds the positions waiting for the head, with their hidden rows
+        (consumed from ``seq.draft_hidden``) -> (batch, hidden [T, H])."""
+        seqs = [requests[i].seq for i in active]
+        starts = [s.draft_num_computed for s in seqs]
+        counts = [requests[i].catch_up + (1 if requests[i].max_drafts else 0) for i in active]
+        feeds = [s.token_ids[c + 1 : c + 1 + m] for s, c, m in zip(seqs, starts, counts)]
+        rows = []
+        for s, m in zip(seqs, counts):
+            waiting = s.draft_hidden
+            assert waiting is not None and waiting.shape[0] >= m, "the head is missing hidden states"
+            rows.append(waiting[:m])
+            s.draft_hidden = waiting[m:] if waiting.shape[0] > m else None
+            s.draft_num_computed += m
+        batch = ForwardBatch(feeds, starts, [s.block_table for s in seqs],
+                             [1 if requests[i].max_drafts else 0 for i in active])
+        return batch, torch.cat(rows)
