@@ -18,7 +18,7 @@ from engine.types.errors import SamplingParamError
 from engine.types.outputs import CompletionOutput, RequestOutput
 from engine.types.sampling_params import SamplingParams
 from engine.types.sequence import TokenLogprob
-from engine.types.stats import SourceStats, SpecDecodeStats, StepStats, StepTotals
+from engine.types.stats import SourceStats, StepStats, StepTotals
 
 __all__ = [
     "GRAMMAR_SOURCE",
@@ -36,7 +36,6 @@ __all__ = [
     "SamplingParamError",
     "SamplingParams",
     "SourceStats",
-    "SpecDecodeStats",
     "SpeculativeMethod",
     "StepStats",
     "StepTotals",

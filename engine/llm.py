@@ -12,7 +12,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.types.config import EngineConfig, SpeculativeMethod
 from engine.types.outputs import CompletionOutput
 from engine.types.sampling_params import SamplingParams
-from engine.types.stats import SpecDecodeStats
+from engine.types.stats import StepTotals
 
 
 class LLM:
@@ -69,7 +69,7 @@ class LLM:
                 engine.abort(rid)
         return [results[r] for r in order]
 
-    def stats(self) -> SpecDecodeStats:
+    def stats(self) -> StepTotals:
         return self.engine.spec_stats
 
 

@@ -246,6 +246,3 @@ class StepTotals:
     def copy(self) -> StepTotals:
         return replace(self, accepted_per_position=list(self.accepted_per_position),
                        by_source={name: replace(s) for name, s in self.by_source.items()})
-
-
-SpecDecodeStats = StepTotals  # the name LLM.stats() has always returned its totals under

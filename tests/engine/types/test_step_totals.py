@@ -4,7 +4,7 @@ drafts), and a step taken back out leaves the totals as they were."""
 
 from __future__ import annotations
 
-from engine.types.stats import SourceStepStats, SpecDecodeStats, StepStats, StepTotals
+from engine.types.stats import SourceStepStats, StepStats, StepTotals
 
 
 def step(**kw) -> StepStats:
@@ -39,10 +39,6 @@ def test_mean_accepted_length_acceptance_and_k_are_0_without_drafts():
     assert totals.mean_accepted_length == 0.0, "no verify step drafted: the histogram has no mean"
     assert totals.acceptance_rate == 0.0 and totals.acceptance_rate_of("draft_model") == 0.0
     assert totals.mean_k == 0.0, "two decoding sequence-steps chose k = 0"
-
-
-def test_llm_stats_returns_the_same_totals_class():
-    assert SpecDecodeStats is StepTotals
 
 
 def test_a_step_taken_back_out_leaves_the_totals_as_they_were():
