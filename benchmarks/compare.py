@@ -34,22 +34,38 @@ llama-server binary, or on a GPU, the llama.cpp systems are left out with a mess
 
 Workload: greedy, 128 new tokens (or until EOS, the same for everyone since greedy output is
 the same), streamed completions; batch 1 (requests one after another) and concurrency 4, 16, 32
-(with 2x that many requests). generate() takes one sequence at a time, so it runs at batch 1 only.
-Two prompt sets (benchmarks/peer_bench/prompts.py): code completion, and an input-grounded editing
-task where the output copies the prompt. Rounds interleave the systems, so machine noise hits all
-of them alike; ratios against specd none are medians of per-round ratios. Each run also records the
-share of the machine's CPU time other processes took meanwhile (from /proc); above --max-others-cpu
-the run is measured again once the machine is quiet, since one busy spell skews one run alone.
+(with 2x that many requests; for agentic, that many conversations of 3 turns each, a conversation
+holding its slot through its turns). generate() takes one sequence at a time, so it runs at batch 1
+only, and not on extraction (it takes no response_format). Prompt sets (benchmarks/peer_bench/prompts.py
+says what each looks like), by default code and edit:
+  where speculation should shine: edit, agentic (each turn resends the conversation), extraction (one
+    JSON schema via response_format), quoting (the continuation copies the prompt), code
+  where it should lose: code_newline (prompts ending at a bare newline), prose, random (random tokens)
+Rounds interleave the systems, so machine noise hits all of them alike; a ratio against specd none is
+a ratio of medians: the system's median tokens/s over the rounds over specd none's (the per-round
+ratios are in the JSON, vs_none_per_round). Each run also records the share of the machine's CPU
+time other processes took meanwhile (from /proc); above --max-others-cpu the run is measured again
+once the machine is quiet, since one busy spell skews one run alone.
 
 Per (set, concurrency, system): tokens/s (output tokens, recounted from the text with the target's
-tokenizer, over the run's wall time), TTFT p50, TPOT p50/p99 ((latency - TTFT) / (tokens - 1) per
-request), acceptance (specd, llama.cpp: from /metrics), tokens per target forward, whether the text equals
-specd none's, and for specd's speculative runs the bound E(a,k)/(1+kc) from the measured acceptance
-and costs (peer_bench/report.py says how). Prints the tables and writes the results JSON (--out,
-default benchmarks/results/compare.json) with two plots beside it, named after it: OUT_throughput.png
+tokenizer, over the run's wall time), the share of outputs that are repetition loops
+(peer_bench/loops.py: a looping model flatters any lookup drafter, so read a ratio with its loop
+share), TTFT p50, TPOT p50/p99 ((latency - TTFT) / (tokens - 1) per request), acceptance (specd,
+llama.cpp: from /metrics), tokens per target forward, whether the text equals specd none's, and for
+specd's speculative runs the bound E(a,k)/(1+kc) from the measured acceptance and costs
+(peer_bench/report.py says how). Prints the tables and writes the results JSON (--out, default
+benchmarks/results/compare.json) with two plots beside it, named after it: OUT_throughput.png
 (tokens/s against concurrency) and OUT_bound.png (measured speedup against the bound). It never
 writes a doc: docs/performance.md quotes the figures it keeps and names the JSON they come from.
-With llama.cpp in the run, a second table gives specd over llama.cpp per round (report.VERSUS).
+With llama.cpp in the run, a second table gives specd over llama.cpp (report.VERSUS).
+
+The never-lose matrix: the server's default against no speculation on every prompt set, at 1 to 64
+concurrent, 5 interleaved rounds; the same-text column checks every output against specd none's
+(hours on 2 cores; run it on a quiet machine):
+
+    python benchmarks/compare.py --systems "specd adaptive default" "specd none" \
+        --sets code code_newline edit agentic extraction quoting prose random \
+        --concurrency 1 8 32 64 --rounds 5 --out benchmarks/results/never_lose.json
 """
 
 from __future__ import annotations
@@ -69,8 +85,10 @@ for p in (ROOT, ROOT / "benchmarks"):
 
 import torch  # noqa: E402
 from peer_bench import client, report  # noqa: E402
-from peer_bench.prompts import PROMPT_SETS  # noqa: E402
+from peer_bench.loops import is_loop  # noqa: E402
+from peer_bench.prompts import DEFAULT_SETS, PROMPT_SETS  # noqa: E402
 from peer_bench.systems import LLAMACPP, Running, System, llamacpp_missing, llamacpp_systems, systems  # noqa: E402
+from peer_bench.workload import needs_server  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 DEFAULT_PAIR = ROOT / "models" / "default"
@@ -81,7 +99,8 @@ def main() -> None:
     ap.add_argument("--target", default=str(DEFAULT_PAIR / "target"))
     ap.add_argument("--draft", default=str(DEFAULT_PAIR / "draft"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--sets", nargs="+", default=list(PROMPT_SETS), choices=list(PROMPT_SETS))
+    ap.add_argument("--sets", nargs="+", default=list(DEFAULT_SETS), choices=list(PROMPT_SETS),
+                    help=f"prompt sets (default: {' '.join(DEFAULT_SETS)}; peer_bench/prompts.py describes each)")
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 32])
     ap.add_argument("--prompts", type=int, default=8, help="requests at batch 1; 2 x concurrency above it")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -121,13 +140,14 @@ def main() -> None:
                 for conc in args.concurrency:
                     batch = prompts[name][: args.prompts if conc == 1 else 2 * conc]
                     for r in order:
-                        if r.system.kind == "generate" and conc > 1:
+                        if r.system.kind == "generate" and (conc > 1 or any(map(needs_server, batch))):
                             continue
                         run = client.measure(r, batch, args.max_tokens, conc, args.max_others_cpu, args.attempts)
                         rows.append(row_of(rnd, name, conc, r.system.name, run, tok))
                         x = rows[-1]
-                        print(f"round {rnd + 1}/{args.rounds} {name:5s} c{conc:<3d} {r.system.name:24s} "
-                              f"{x['tokens_per_s']:8.1f} tok/s  ttft p50 {report.pct(x['ttft_ms'], 50):7.1f} ms  "
+                        print(f"round {rnd + 1}/{args.rounds} {name:12s} c{conc:<3d} {r.system.name:24s} "
+                              f"{x['tokens_per_s']:8.1f} tok/s  loops {x['loops']}/{len(x['ttft_ms'])}  "
+                              f"ttft p50 {report.pct(x['ttft_ms'], 50):7.1f} ms  "
                               f"others' cpu {report.fmt(x['foreign_cpu'], '4.0%')}"
                               + (f"  {x['failed']} FAILED: {x['errors'][:1]}" if x["failed"] else ""), flush=True)
     finally:
@@ -169,11 +189,13 @@ def choose_systems(args: argparse.Namespace, ap: argparse.ArgumentParser) -> lis
 
 def row_of(rnd: int, name: str, conc: int, system: str, run: client.Run, tok: object) -> dict:
     ok = [x for x in run.results if x.ok]
-    counts = [len(tok.encode(x.text, add_special_tokens=False)) for x in ok]
+    ids = [tok.encode(x.text, add_special_tokens=False) for x in ok]
+    counts = [len(x) for x in ids]
     row = {
         "round": rnd, "set": name, "concurrency": conc, "system": system, "requests": len(run.results),
         "failed": len(run.results) - len(ok), "errors": sorted({x.error for x in run.results if not x.ok})[:3],
         "seconds": run.seconds, "output_tokens": sum(counts), "tokens_per_s": sum(counts) / run.seconds,
+        "loops": sum(map(is_loop, ids)),
         "ttft_ms": [x.ttft * 1e3 for x in ok],
         "tpot_ms": [(x.latency - x.ttft) / (n - 1) * 1e3 for x, n in zip(ok, counts, strict=True) if n > 1],
         "counters": run.counters, "texts": [x.text if x.ok else None for x in run.results], "same_text": None,

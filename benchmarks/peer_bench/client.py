@@ -1,4 +1,4 @@
-"""One measured run: a prompt list through one system at one concurrency, streamed, timed per request."""
+"""One measured run: a prompt set's items through one system at one concurrency, streamed, timed per request."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import httpx
 from bench_serving import Result, send  # benchmarks/ is on sys.path (compare.py puts it there)
 
 from .systems import Running
+from .workload import Conversation, Item, Request, as_request, needs_server, requests_in
 
 # specd's counters that the acceptance rate and the speedup bound are computed from; llama-server
 # (with --metrics) exports the first three under the same names with its own prefix.
@@ -59,18 +60,35 @@ def scrape(base_url: str) -> dict[str, float]:
     return out
 
 
-async def _serve(base_url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int) -> list[Result]:
+async def _serve(base_url: str, model: str, items: list[Item], max_tokens: int, concurrency: int,
+                 transport: httpx.AsyncBaseTransport | None = None) -> list[Result]:
+    """Every item's results, in item order (a conversation's turns in turn order). Up to concurrency
+    items run at once; a conversation holds its slot through all its turns, as one agent would."""
     url = base_url + "/v1/completions"
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=900, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=900, limits=limits, transport=transport) as client:
 
-        async def one(prompt: str) -> Result:
-            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+        async def send_one(req: Request) -> Result:
+            body = {"model": model, "prompt": req.prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                    "stream": True, **req.extra}
+            return await send(client, url, body, chat=False)
+
+        async def one(item: Item) -> list[Result]:
             async with sem:
-                return await send(client, url, body, chat=False)
+                if not isinstance(item, Conversation):
+                    return [await send_one(as_request(item))]
+                out: list[Result] = []
+                prompt = item.first
+                for _ in range(item.turns):
+                    if out and not out[-1].ok:  # the next turn needs this one's output
+                        out.append(Result(error="an earlier turn failed"))
+                        continue
+                    out.append(await send_one(Request(prompt)))
+                    prompt = item.next_prompt(prompt, out[-1].text)
+                return out
 
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+        return [r for rs in await asyncio.gather(*(one(x) for x in items)) for r in rs]
 
 
 def wait_quiet(share: float, timeout: float) -> bool:
@@ -86,7 +104,7 @@ def wait_quiet(share: float, timeout: float) -> bool:
     return False
 
 
-def run(system: Running, prompts: list[str], max_tokens: int, concurrency: int) -> Run:
+def run(system: Running, prompts: list[Item], max_tokens: int, concurrency: int) -> Run:
     pids = [os.getpid(), system.proc.pid]
     ticks = cpu_ticks(pids)
     out = _run(system, prompts, max_tokens, concurrency)
@@ -95,7 +113,7 @@ def run(system: Running, prompts: list[str], max_tokens: int, concurrency: int) 
     return out
 
 
-def measure(system: Running, prompts: list[str], max_tokens: int, concurrency: int, max_others_cpu: float,
+def measure(system: Running, prompts: list[Item], max_tokens: int, concurrency: int, max_others_cpu: float,
             attempts: int) -> Run:
     """run(), again after waiting for a quiet machine while other processes took more than
     max_others_cpu of the CPU during it, at most attempts times. Interleaving rounds spreads noise over
@@ -110,19 +128,33 @@ def measure(system: Running, prompts: list[str], max_tokens: int, concurrency: i
     return out
 
 
-def _run(system: Running, prompts: list[str], max_tokens: int, concurrency: int) -> Run:
+def _run(system: Running, prompts: list[Item], max_tokens: int, concurrency: int) -> Run:
     if system.system.kind == "generate":
         assert concurrency == 1, "generate() systems run one sequence at a time"
         t0 = time.perf_counter()
-        rows = system.generate(prompts, max_tokens)
-        seconds = time.perf_counter() - t0
-        results = [Result(ok=True, ttft=r["ttft"], latency=r["latency"], text=r["text"],
-                          usage={"target_forwards": r["target_forwards"], "draft_forwards": r["draft_forwards"]})
-                   for r in rows]
-        return Run(results, seconds, {})
+        results = _generate(system, prompts, max_tokens)
+        return Run(results, time.perf_counter() - t0, {})
     before = scrape(system.base_url)
     t0 = time.perf_counter()
     results = asyncio.run(_serve(system.base_url, system.model_id, prompts, max_tokens, concurrency))
     seconds = time.perf_counter() - t0
     after = scrape(system.base_url)
     return Run(results, seconds, {k: after[k] - before.get(k, 0.0) for k in after})
+
+
+def _generate(system: Running, items: list[Item], max_tokens: int) -> list[Result]:
+    """generate() over the items, one sequence at a time: a conversation's turn t+1 is built from turn
+    t's output, so every conversation's turn t runs before any turn t+1 (in item order per turn)."""
+    assert not any(needs_server(x) for x in items), "generate() takes no response_format"
+    per_item: list[list[Result]] = [[] for _ in items]
+    prompts = [x.first if isinstance(x, Conversation) else as_request(x).prompt for x in items]
+    for turn in range(max(requests_in(x) for x in items)):
+        live = [i for i, x in enumerate(items) if requests_in(x) > turn]
+        rows = system.generate([prompts[i] for i in live], max_tokens)
+        for i, r in zip(live, rows, strict=True):
+            per_item[i].append(Result(ok=True, ttft=r["ttft"], latency=r["latency"], text=r["text"],
+                                      usage={"target_forwards": r["target_forwards"],
+                                             "draft_forwards": r["draft_forwards"]}))
+            if isinstance(items[i], Conversation):
+                prompts[i] = items[i].next_prompt(prompts[i], r["text"])
+    return [r for rs in per_item for r in rs]

@@ -30,7 +30,11 @@ def summarize(rows: list[dict]) -> list[dict]:
     for key in keys:
         sel = [r for r in rows if (r["set"], r["concurrency"], r["system"]) == key]
         base = {r["round"]: r for r in rows if (r["set"], r["concurrency"], r["system"]) == (*key[:2], BASELINE)}
+        # Ratio of medians (docs/performance.md's convention): the system's median tokens/s over rounds
+        # over the baseline's; the per-round ratios stay in the JSON for inspection.
         ratios = [r["tokens_per_s"] / base[r["round"]]["tokens_per_s"] for r in sel if r["round"] in base]
+        tps = statistics.median(r["tokens_per_s"] for r in sel)
+        outputs = sum(r["requests"] - r["failed"] for r in sel)
         counters: dict[str, float] = {}
         for r in sel:
             for k, v in r["counters"].items():
@@ -39,8 +43,10 @@ def summarize(rows: list[dict]) -> list[dict]:
         line = {
             "set": key[0], "concurrency": key[1], "system": key[2], "rounds": len(sel),
             "requests": sum(r["requests"] for r in sel), "failed": sum(r["failed"] for r in sel),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in sel),
-            "vs_none": statistics.median(ratios) if ratios else None,
+            "tokens_per_s": tps,
+            "loop_share": sum(r.get("loops", 0) for r in sel) / outputs if outputs else None,
+            "vs_none": tps / statistics.median(b["tokens_per_s"] for b in base.values()) if base else None,
+            "vs_none_per_round": ratios,
             "ttft_p50_ms": pct([x for r in sel for x in r["ttft_ms"]], 50),
             "tpot_p50_ms": pct([x for r in sel for x in r["tpot_ms"]], 50),
             "tpot_p99_ms": pct([x for r in sel for x in r["tpot_ms"]], 99),
@@ -88,8 +94,8 @@ def bound_for(line: dict, lines: list[dict]) -> dict:
 
 
 def versus(rows: list[dict], pairs: tuple[tuple[str, str], ...] = VERSUS) -> list[dict]:
-    """Per (prompt set, concurrency) and pair (a, b) with both run: median tokens/s of each and the
-    median over rounds of a's tokens/s over b's in the same round."""
+    """Per (prompt set, concurrency) and pair (a, b) with both run: median tokens/s of each over the
+    rounds both ran, their ratio (ratio of medians), and a's over b's per round for inspection."""
     out = []
     for name, conc in dict.fromkeys((r["set"], r["concurrency"]) for r in rows):
         tps = {(r["system"], r["round"]): r["tokens_per_s"]
@@ -100,12 +106,14 @@ def versus(rows: list[dict], pairs: tuple[tuple[str, str], ...] = VERSUS) -> lis
                 out.append({"set": name, "concurrency": conc, "a": a, "b": b, "rounds": len(rounds),
                             "a_tokens_per_s": statistics.median(tps[a, rnd] for rnd in rounds),
                             "b_tokens_per_s": statistics.median(tps[b, rnd] for rnd in rounds),
-                            "ratio": statistics.median(tps[a, rnd] / tps[b, rnd] for rnd in rounds)})
+                            "ratio": (statistics.median(tps[a, rnd] for rnd in rounds)
+                                      / statistics.median(tps[b, rnd] for rnd in rounds)),
+                            "per_round": [tps[a, rnd] / tps[b, rnd] for rnd in rounds]})
     return out
 
 
 def versus_table(lines: list[dict]) -> str:
-    head = "| set | conc | system | tok/s | against | tok/s | ratio (per-round median) |\n|" + "---|" * 7
+    head = "| set | conc | system | tok/s | against | tok/s | ratio (of medians) |\n|" + "---|" * 7
     body = [f"| {x['set']} | {x['concurrency']} | {x['a']} | {x['a_tokens_per_s']:.1f} | {x['b']} "
             f"| {x['b_tokens_per_s']:.1f} | {x['ratio']:.2f} |" for x in lines]
     return head + "\n" + "\n".join(body)
@@ -125,13 +133,14 @@ def fmt(v: object, spec: str) -> str:
 
 
 def table(lines: list[dict]) -> str:
-    head = ("| set | conc | system | tok/s | vs none | TTFT p50 ms | TPOT p50 ms | TPOT p99 ms | acceptance "
-            "| tok/fwd | bound | of bound | same text |\n|" + "---|" * 13)
+    head = ("| set | conc | system | tok/s | loops | vs none | TTFT p50 ms | TPOT p50 ms | TPOT p99 ms "
+            "| acceptance | tok/fwd | bound | of bound | same text |\n|" + "---|" * 14)
     body = []
     for x in lines:
         same = f"{x['same_text_as_none']}/{x['compared_texts']}" if x["compared_texts"] else "-"
         body.append(
-            f"| {x['set']} | {x['concurrency']} | {x['system']} | {x['tokens_per_s']:.1f} | {fmt(x['vs_none'], '.2f')} "
+            f"| {x['set']} | {x['concurrency']} | {x['system']} | {x['tokens_per_s']:.1f} "
+            f"| {fmt(x.get('loop_share'), '.0%')} | {fmt(x['vs_none'], '.2f')} "
             f"| {fmt(x['ttft_p50_ms'], '.1f')} | {fmt(x['tpot_p50_ms'], '.2f')} | {fmt(x['tpot_p99_ms'], '.2f')} "
             f"| {fmt(x['acceptance'], '.3f')} | {fmt(x.get('tokens_per_target_forward'), '.2f')} "
             f"| {fmt(x.get('bound'), '.2f')} | {fmt(x.get('of_bound'), '.2f')} | {same} |"

@@ -45,7 +45,7 @@ def test_the_bound_is_e_over_1_plus_kc_from_measured_acceptance_and_costs():
     assert line["same_text_as_none"] == 4 and line["compared_texts"] == 4
 
 
-def test_ratios_are_medians_of_per_round_ratios_and_only_batch_1_gets_a_bound():
+def test_ratios_are_ratios_of_medians_and_only_batch_1_gets_a_bound():
     from peer_bench import report
 
     counters = {"spec_decode_num_drafts": 1.0, "spec_decode_num_draft_tokens": 2.0,
@@ -55,9 +55,28 @@ def test_ratios_are_medians_of_per_round_ratios_and_only_batch_1_gets_a_bound():
             for r, base in enumerate((100.0, 200.0, 100.0))]
     rows += [row(r, "specd adaptive", tps, counters, conc=4) for r, tps in enumerate((150.0, 220.0, 130.0))]
     line = next(x for x in report.summarize(rows) if x["system"] == "specd adaptive")
-    assert line["vs_none"] == pytest.approx(1.3)  # per round 1.5, 1.1, 1.3; the ratio of medians would be 1.1
+    assert line["vs_none"] == pytest.approx(1.5)  # medians 150 / 100; the median of per-round ratios would be 1.3
+    assert line["vs_none_per_round"] == pytest.approx([1.5, 1.1, 1.3])
     assert line["tokens_per_s"] == 150.0 and "bound" not in line
-    assert "| code | 4 | specd adaptive | 150.0 | 1.30 |" in report.table(report.summarize(rows))
+    assert "| code | 4 | specd adaptive | 150.0 | 0% | 1.50 |" in report.table(report.summarize(rows))
+
+
+def test_versus_is_a_ratio_of_medians_with_the_per_round_ratios_kept():
+    from peer_bench import report
+
+    rows = [{**row(r, "llama.cpp spec", b), "round": r} for r, b in enumerate((100.0, 200.0, 100.0))]
+    rows += [{**row(r, "specd adaptive", a), "round": r} for r, a in enumerate((150.0, 220.0, 130.0))]
+    (pair,) = [x for x in report.versus(rows) if x["a"] == "specd adaptive"]
+    assert pair["ratio"] == pytest.approx(1.5) and pair["per_round"] == pytest.approx([1.5, 1.1, 1.3])
+
+
+def test_the_loop_share_sits_beside_each_throughput():
+    from peer_bench import report
+
+    rows = [{**row(0, "specd none", 100.0), "loops": 1}, {**row(1, "specd none", 100.0), "loops": 2}]
+    (line,) = report.summarize(rows)
+    assert line["loop_share"] == pytest.approx(3 / 8)  # 3 looping outputs of 2 x 4 requests
+    assert "| code | 1 | specd none | 100.0 | 38% | 1.00 |" in report.table([line])
 
 
 def test_prompt_sets_are_deterministic_held_out_and_end_mid_line():
