@@ -94,6 +94,8 @@ class Lifespan:
             return
         state.metrics.declare_methods(draft_methods(engine))
         state.metrics.declare_compile(lambda: engine.compile_state)
+        if "suffix" in draft_methods(engine):
+            state.metrics.declare_suffix_cache(engine.drafting.suffix_cache_nodes)  # type: ignore[union-attr]
         observers = [state.metrics] if state.stats_log is None else [state.metrics, state.stats_log]
         async_engine = AsyncEngine(engine, config.max_queue, observers=observers, on_fatal=state.fail)
         limits = Limits(config.max_n, config.max_stop_sequences, config.request_timeout, config.token_healing)

@@ -28,7 +28,7 @@ DEFAULT_DRAFT = DEFAULT_PAIR / "draft"
 DEFAULT_EAGLE = DEFAULT_PAIR / "eagle"  # the EAGLE-3 head trained for the embedded target (recipe.eagle)
 DEFAULT_SERVED_NAME = "specd-default"
 COMPILE_MODES = ("auto", "off", "start", "background")  # engine.CompileMode's values
-METHODS = ("hybrid", "draft_model", "eagle", "ngram", "self", "none")
+METHODS = ("hybrid", "draft_model", "eagle", "ngram", "suffix", "self", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -64,14 +64,20 @@ class ServerConfig:
         shown_default="the exit head's depth, else a third of the layers",
     )
     speculative_method: str | None = option(
-        None, "`hybrid` (a draft model and n-gram lookup), `draft_model`, `eagle` (`--draft-model` is an EAGLE-3 "
-        "head), `ngram`, `self` (the target's first `--draft-layers` layers) or `none`", choices=METHODS, engine=True,
+        None, "`hybrid` (a draft model, n-gram lookup and suffix decoding), `draft_model`, `eagle` (`--draft-model` is "
+        "an EAGLE-3 head), `ngram`, `suffix` (suffix tries over the request and recent outputs), `self` (the target's "
+        "first `--draft-layers` layers) or `none`", choices=METHODS, engine=True,
         shown_default="`hybrid` with a draft or `--draft-layers`, else `none`",
     )
     num_speculative_tokens: int | None = option(
         None, "drafts per step, 0..16, or `adaptive`: chosen per sequence per step", none_words=("adaptive", "auto"),
         metavar="K", engine=True, shown_default="`adaptive`",
     )
+    suffix_cache_requests: int = option(
+        1000, "suffix decoding: keep the outputs of this many recently ended requests to draft from", metavar="N",
+        engine=True,
+    )
+    suffix_max_draft: int = option(24, "suffix decoding: the longest draft", metavar="K", engine=True)
     served_model_name: str | None = option(
         None, "the model id clients send",
         shown_default="`specd-default` for the embedded pair, else the model directory's name",

@@ -48,9 +48,7 @@ def draft_methods(engine: LLMEngine) -> list[str]:
     drafting = engine.drafting
     if drafting is None:
         return []
-    names = [s.name for s in drafting.drafters]
-    if drafting.lookup is not None:
-        names.append(drafting.lookup.name)
+    names = [s.name for s in (*drafting.drafters, *drafting.lookups)]
     if drafting.config.grammar_drafts:
         names.append(GRAMMAR_SOURCE)
     return names
@@ -194,6 +192,11 @@ class Metrics:
         )
         for name in COMPILE_STATES:
             family.labels(self.model_name, name).set_function(lambda name=name: float(state() == name))
+
+    def declare_suffix_cache(self, nodes: Callable[[], int]) -> None:
+        """``specd:suffix_cache_nodes``, read from the engine at each scrape."""
+        Gauge("specd:suffix_cache_nodes", "Nodes of suffix decoding's index over recent outputs (its memory: about "
+              "30 bytes a node).", ["model_name"], registry=self.registry).labels(self.model_name).set_function(nodes)
 
     def declare_methods(self, methods: Iterable[str]) -> None:
         """Series at zero, from the first scrape, for the draft sources the engine was built with (before it

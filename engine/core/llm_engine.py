@@ -159,6 +159,8 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq, FinishReason.ABORT)
+        if self.drafting is not None:
+            self.drafting.release(seq)
         return True
 
     def has_unfinished(self) -> bool:
@@ -249,6 +251,8 @@ class LLMEngine:
             if not out.finished:
                 continue
             seq = self.seqs.pop(out.request_id)
+            if self.drafting is not None:
+                self.drafting.release(seq)
             if seq.audit is not None:
                 if out.finish_reason != "error":
                     judged.append(self.auditor.judge(seq).value)

@@ -1,15 +1,17 @@
 """Per step and per decoding sequence: where its drafts come from and how many; then the drafts
 themselves; then what the step taught about each source.
 
-Sources sit behind one Protocol (engine.speculative.source): prompt lookup (free: it is asked for its
-proposal while planning), the draft model and the target's own early layers. Each sequence drafts from
-the one that promises more tokens per unit of step cost, each source with its own adaptive policy (their
-costs and acceptance differ). Mixing is exact: a lookup's proposal is one-hot, so where a batch needs q,
-its rows are one-hot vectors beside the drafters' real distributions, and verification holds row by row.
+Sources sit behind one Protocol (engine.speculative.source): the lookups, prompt lookup and suffix decoding
+(near free: they are asked for their proposals while planning), the draft model and the target's own early
+layers. Each sequence drafts from the one that promises more tokens per unit of step cost, each source with
+its own adaptive policy (their costs and acceptance differ). Mixing is exact: a lookup's proposal is one-hot,
+so where a batch needs q, its rows are one-hot vectors beside the drafters' real distributions, and
+verification holds row by row.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,7 @@ from engine.speculative.forced import FORCED
 from engine.speculative.ngram import LookupSource
 from engine.speculative.self_draft import SelfDraftSource
 from engine.speculative.source import DraftRequest, DraftSource
+from engine.speculative.suffix import SuffixSource
 from engine.types.config import EngineConfig, SpeculativeMethod
 from engine.types.outputs import Verdict
 from engine.types.schedule import ScheduledSeq
@@ -40,14 +43,30 @@ class Drafts:
 
 class Drafting:
     """``drafters``: the sources that run a model (the draft model, the target's early layers), in order of
-    preference at a fixed k; ``lookup``: prompt lookup, asked while planning since it costs nothing."""
+    preference at a fixed k; ``lookups``: prompt lookup and suffix decoding, in that order of preference at a
+    fixed k, asked while planning since they cost next to nothing."""
 
-    def __init__(self, config: EngineConfig, drafters: list[DraftSource], lookup: DraftSource | None,
+    def __init__(self, config: EngineConfig, drafters: list[DraftSource], lookups: list[DraftSource],
                  policies: dict[str, AdaptivePolicy]) -> None:
         self.config = config
         self.drafters = drafters
-        self.lookup = lookup
+        self.lookups = lookups
         self.policies = policies  # one per source, by name; empty at a fixed k
+
+    @property
+    def lookup(self) -> DraftSource | None:
+        """The first lookup source (prompt lookup where it runs)."""
+        return self.lookups[0] if self.lookups else None
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` ended (finished, aborted or failed): what a source keeps across requests learns it."""
+        for source in self.lookups:
+            if isinstance(source, SuffixSource):
+                source.release(seq)
+
+    def suffix_cache_nodes(self) -> int:
+        """Nodes of suffix decoding's global index (0 without it): its memory, at about 30 bytes a node."""
+        return sum(s.cache.num_nodes for s in self.lookups if isinstance(s, SuffixSource))
 
     @property
     def policy(self) -> AdaptivePolicy | None:
@@ -55,7 +74,7 @@ class Drafting:
         return next(iter(self.policies.values()), None)
 
     def source(self, name: str) -> DraftSource | None:
-        return next((s for s in (*self.drafters, self.lookup) if s is not None and s.name == name), None)
+        return next((s for s in (*self.drafters, *self.lookups) if s.name == name), None)
 
     def plan(self, running: list[Sequence]) -> None:
         """Sets the ``seq.draft`` source, k and lag of each running sequence for this step: none for
@@ -64,6 +83,7 @@ class Drafting:
         for seq in running:
             d = seq.draft
             d.source, d.k, d.lag, d.lookup, d.forced, d.extend, d.forced_at, d.num_forced = None, 0, 0, [], [], 0, 0, 0
+            d.proposals = {}
         for seq in decoding:
             d = seq.draft
             source, k = self._route(seq, len(decoding))
@@ -88,28 +108,37 @@ class Drafting:
             d.forced = seq.grammar.forced()
             if d.forced:
                 return FORCED, min(len(d.forced), k or self.config.k_max)
-        if self.lookup is not None:
-            d.lookup = self.lookup.propose([DraftRequest(seq, k or self.config.k_max)]).tokens[0]
-        if k is not None:  # a fixed k: the lookup wherever it matched (the hybrid's needs n >= 2), else a drafter
-            if d.lookup or not self.drafters:
-                return self.lookup, min(k, len(d.lookup))
+        for lookup in self.lookups:
+            d.proposals[lookup.name] = lookup.propose([DraftRequest(seq, k or self.config.k_max)]).tokens[0]
+        if k is not None:
+            # A fixed k: the first lookup that matched (the hybrid's need two tokens of match), else a drafter.
+            matched = next((s for s in self.lookups if d.proposals[s.name]), None)
+            if matched is None and not self.drafters:
+                matched = self.lookups[0]
+            if matched is not None:
+                d.lookup = d.proposals[matched.name]
+                return matched, min(k, len(d.lookup))
             return self.drafters[0], k
-        if not self.drafters:
-            assert self.lookup is not None
-            policy = self.policies[self.lookup.name]
-            return self.lookup, policy.choose(d.track(self.lookup.name), batch, len(d.lookup))
-        # Adaptive: each source's own history and cost decide, the lookup competing where it matched.
-        best, rate = None, -1.0
+        # Adaptive: each source's own history and cost decide. A lookup competes where it proposed something,
+        # its k capped by its proposal's length: prompt lookup's and suffix decoding's acceptance are learned
+        # per sequence apart, so a request that repeats earlier outputs goes to suffix decoding, one that
+        # quotes its own prompt to whichever of the two has been right there, one with nothing to match to
+        # a model drafter.
+        best, rate, cap = None, -1.0, None
         for drafter in self.drafters:
             r = self.policies[drafter.name].rate(d.track(drafter.name), batch)
             if r > rate:
                 best, rate = drafter, r
+        for lookup in self.lookups:
+            n = len(d.proposals[lookup.name])
+            if n or (best is None and lookup is self.lookups[-1]):
+                r = self.policies[lookup.name].rate(d.track(lookup.name), batch, n)
+                if best is None or r > rate or (r == rate and best in self.drafters):
+                    best, rate, cap = lookup, r, n
         assert best is not None
-        if self.lookup is not None and d.lookup:
-            lookup = self.policies[self.lookup.name]
-            if lookup.rate(d.track(self.lookup.name), batch, len(d.lookup)) >= rate:
-                return self.lookup, lookup.choose(d.track(self.lookup.name), batch, len(d.lookup))
-        return best, self.policies[best.name].choose(d.track(best.name), batch)
+        if cap is not None:
+            d.lookup = d.proposals[best.name]
+        return best, self.policies[best.name].choose(d.track(best.name), batch, cap)
 
     def propose(self, scheduled: list[ScheduledSeq], vocab: int) -> Drafts:
         tokens: list[list[int]] = [[] for _ in scheduled]
@@ -117,8 +146,8 @@ class Drafting:
         for i, s in enumerate(scheduled):
             d = s.seq.draft
             own = min(s.num_draft_slots, d.own)
-            if self.lookup is not None and d.source == self.lookup.name:
-                tokens[i] = d.lookup[:own]
+            if d.source in d.proposals:
+                tokens[i] = d.proposals[d.source][:own]
             elif d.source == FORCED.name:
                 tokens[i] = d.forced[: s.num_draft_slots]
             elif d.source in asked and (own or s.num_catch_up):
@@ -168,17 +197,18 @@ class Drafting:
             for n, secs in drafter.drain_costs():
                 if drafter.name in self.policies:
                     self.policies[drafter.name].draft_cost.observe(n, secs)
-        lookup = self.policies.get(self.lookup.name) if self.lookup is not None else None
         for s, v in zip(scheduled, verdicts):
             d = s.seq.draft
             if v is None or v.error is not None or d.source is None:
                 continue
-            if lookup is not None and d.lookup and d.source in self.policies and d.source != self.lookup.name:
-                # The lookup's proposal scored against what the step emitted: free acceptance evidence
-                # (greedy: exactly what it would have had), censored at the emitted length.
-                seen = d.lookup[: len(v.tokens)]
-                agreed = next((i for i, (a, b) in enumerate(zip(seen, v.tokens)) if a != b), len(seen))
-                lookup.observe(d.track(self.lookup.name), len(seen), agreed)
+            for name, proposal in d.proposals.items():
+                lookup = self.policies.get(name)
+                if lookup is not None and proposal and d.source in self.policies and d.source != name:
+                    # A lookup's proposal scored against what the step emitted: free acceptance evidence
+                    # (greedy: exactly what it would have had), censored at the emitted length.
+                    seen = proposal[: len(v.tokens)]
+                    agreed = next((i for i, (a, b) in enumerate(zip(seen, v.tokens)) if a != b), len(seen))
+                    lookup.observe(d.track(name), len(seen), agreed)
             policy = self.policies.get(d.source)
             if policy is not None:  # from its own drafts only: forced ones teach a source nothing
                 for share in shares(d, v.num_drafts, v.num_accepted):
@@ -230,17 +260,28 @@ def make_drafting(config: EngineConfig, target: ModelRunner, draft: ModelRunner 
         drafters.append((DraftModelSource(draft, target.vocab_size, eos_ids), draft))
     if early_exit is not None:
         drafters.append((SelfDraftSource(early_exit, target.vocab_size, eos_ids), early_exit))
-    lookup = None
+    lookups: list[DraftSource] = []
+    # At a fixed k the hybrid has no rates to compare: a lookup takes the step on a suffix match of two or
+    # more tokens (a lone token recurs nearly everywhere, and its guesses rarely hold).
+    strict = method is SpeculativeMethod.HYBRID and config.num_speculative_tokens is not None
     if config.uses_lookup:
-        # At a fixed k the hybrid has no rates to compare: the lookup takes the step on a suffix match of
-        # two or more tokens (a lone token recurs nearly everywhere, and its guesses rarely hold).
-        strict = method is SpeculativeMethod.HYBRID and config.num_speculative_tokens is not None
-        lookup = LookupSource(config.ngram_max, max(2, config.ngram_min) if strict else config.ngram_min)
-    policies = {}
+        lookups.append(LookupSource(config.ngram_max, max(2, config.ngram_min) if strict else config.ngram_min))
+    if config.uses_suffix:
+        lookups.append(SuffixSource(config.suffix_cache_requests, config.suffix_max_draft, 2 if strict else 1))
+    policies: dict[str, AdaptivePolicy] = {}
     if config.num_speculative_tokens is None:
         # A draft costs its runner's forwards, or (runner None) a lookup's near-nothing.
-        for source, runner in (*drafters, (lookup, None)):
-            if source is not None:
-                policies[source.name] = AdaptivePolicy(config.k_max)
-                calibrate(policies[source.name], target, runner, config.block_size, source.name)
-    return Drafting(config, [source for source, _ in drafters], lookup, policies)
+        for source, runner in drafters:
+            policies[source.name] = AdaptivePolicy(config.k_max)
+            calibrate(policies[source.name], target, runner, config.block_size, source.name)
+        for source in lookups:
+            # The lookups cost the same (nothing but the target's marginal price): one calibration, copied, so
+            # that they differ by their acceptance alone, never by the noise of two timings.
+            policies[source.name] = AdaptivePolicy(config.k_max)
+            if source is lookups[0]:
+                calibrate(policies[source.name], target, None, config.block_size, source.name)
+            else:
+                first = policies[lookups[0].name]
+                policies[source.name].target_cost = copy.deepcopy(first.target_cost)
+                policies[source.name].draft_cost = copy.deepcopy(first.draft_cost)
+    return Drafting(config, [source for source, _ in drafters], lookups, policies)

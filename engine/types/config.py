@@ -26,6 +26,7 @@ class SpeculativeMethod(enum.Enum):
     HYBRID = "hybrid"
     DRAFT_MODEL = "draft_model"
     NGRAM = "ngram"
+    SUFFIX = "suffix"  # suffix tries over the request and recent outputs (engine.speculative.suffix)
     SELF = "self"  # the target's first draft_layers layers draft (engine.speculative.self_draft)
     EAGLE = "eagle"  # draft_model is an EAGLE-3 head reading the target's hidden states (engine.speculative.eagle)
     NONE = "none"
@@ -48,6 +49,11 @@ class EngineConfig:
     max_speculative_tokens: int = 8  # upper bound of the adaptive search
     ngram_max: int = 4  # n-gram lookup tries n = ngram_max .. ngram_min
     ngram_min: int = 1
+    # Suffix decoding's global index keeps the outputs of this many recently ended requests. 1000, not vLLM's 10,000:
+    # this host's memory. A never-repeating output token adds ~23 nodes of ~31 bytes (benchmarks/suffix_cost.py), so
+    # 1000 outputs of 256 such tokens hold ~180 MB; outputs that repeat one another share nodes.
+    suffix_cache_requests: int = 1000
+    suffix_max_draft: int = 24  # the longest suffix draft (also at most k and the match length)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N: the draft, and the target unless device_map is given
     # The target split across devices by accelerate: a strategy name, or a JSON object / dict of module -> device.
@@ -105,6 +111,10 @@ class EngineConfig:
             raise ValueError(f"max_speculative_tokens must be in [1, 16], got {self.max_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.suffix_cache_requests < 0:
+            raise ValueError(f"suffix_cache_requests must be >= 0, got {self.suffix_cache_requests}")
+        if self.suffix_max_draft < 1:
+            raise ValueError(f"suffix_max_draft must be >= 1, got {self.suffix_max_draft}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -136,6 +146,10 @@ class EngineConfig:
     @property
     def uses_lookup(self) -> bool:
         return self.speculative_method in (SpeculativeMethod.NGRAM, SpeculativeMethod.HYBRID)
+
+    @property
+    def uses_suffix(self) -> bool:
+        return self.speculative_method in (SpeculativeMethod.SUFFIX, SpeculativeMethod.HYBRID)
 
     @property
     def speculates(self) -> bool:

@@ -16,6 +16,16 @@ class TokenIndex(Protocol):
     def lookup(self, tokens: list[int], k: int) -> list[int]: ...
 
 
+class SuffixState(Protocol):
+    """A suffix drafter's state for one request (engine.speculative.suffix): its own index of the request's
+    tokens and its stream in the index shared by all requests."""
+
+    @property
+    def synced(self) -> int:
+        """Tokens of the request indexed so far."""
+        ...
+
+
 @dataclass
 class AcceptanceEstimate:
     """Exponentially weighted MLE of alpha under the geometric model: a step with k drafts and a
@@ -64,6 +74,8 @@ class DraftState:
         return self.k - self.extend
     tracks: dict[str, SourceTrack] = field(default_factory=dict)
     ngram: TokenIndex | None = None  # the lookup's index of this request's tokens, built on its first lookup
+    suffix: SuffixState | None = None  # the suffix drafter's, built on its first draft
+    proposals: dict[str, list[int]] = field(default_factory=dict)  # this step's proposal of each lookup source
 
     def track(self, source: str) -> SourceTrack:
         return self.tracks.setdefault(source, SourceTrack())

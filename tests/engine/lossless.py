@@ -117,16 +117,17 @@ def reference_transform(logits: torch.Tensor, temperature: float, top_k: int = 0
 
 
 def alternate_drafters(llm) -> set[frozenset[str]]:  # noqa: ANN001
-    """Routes each sequence that would draft from a model to the engine's drafters in turn, so steps mix
-    the draft model's and the early layers' proposals whatever their rates. Returns the set of drafter
-    mixes seen in one step, filled as the engine runs."""
+    """Routes each sequence that would draft from a model or from suffix decoding (which, drafting from every
+    earlier output, would take most of them) to the engine's drafters in turn, so steps mix the draft model's
+    and the early layers' proposals whatever their rates. Returns the set of drafter mixes seen in one step,
+    filled as the engine runs."""
     drafting, mixes, turn = llm.engine.drafting, set(), [0]
     route, propose = drafting._route, drafting.propose
     names = {d.name for d in drafting.drafters}
 
     def routed(seq, batch):  # noqa: ANN001, ANN202
         source, k = route(seq, batch)
-        if source in drafting.drafters:
+        if source in drafting.drafters or (source is not None and source.name == "suffix"):
             turn[0] += 1
             # At least 2 drafts, or an adaptive policy that learned these random drafters are poor would draft
             # nothing to mix; any k is lossless.

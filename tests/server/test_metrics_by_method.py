@@ -38,7 +38,7 @@ def test_method_counters_and_gauges_agree_with_the_per_method_usage_of_the_respo
                                     num_speculative_tokens=4, dtype="float32", device="cpu"))
     live = make_server(engine=engine, draft_model=str(ms.draft))
     methods = set(draft_methods(engine))
-    assert methods == {"draft_model", "ngram", "grammar"}
+    assert methods == {"draft_model", "ngram", "suffix", "grammar"}
     first = Scrape.of(live)
     for counter in COUNTERS:
         assert first.by(f"specd:{counter}_total", "method") == dict.fromkeys(methods, 0.0), counter
@@ -53,8 +53,12 @@ def test_method_counters_and_gauges_agree_with_the_per_method_usage_of_the_respo
                                        stream_options={"include_usage": True},
                                        extra_body={"response_format": JSON_FORMAT}, **GREEDY)
     usages.append([c for c in stream][-1].usage)
+    # Again: where its own tokens match nothing yet, suffix decoding drafts the earlier requests' output.
+    usages.append(client.completions.create(prompt="def fib(n):", max_tokens=16, extra_body=IGNORE_EOS,
+                                            **GREEDY).usage)
     live.wait_idle()
     after = Scrape.of(live)
+    assert after.value("specd:suffix_cache_nodes") > 0
 
     drafted = {m: sum(split_of(u).get(m, {}).get("draft_tokens", 0) for u in usages) for m in methods}
     accepted = {m: sum(split_of(u).get(m, {}).get("accepted_tokens", 0) for u in usages) for m in methods}

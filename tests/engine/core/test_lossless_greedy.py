@@ -45,6 +45,7 @@ def run_batches(llm: LLM, ref: Reference, prompts: list[list[int]], label: str) 
 METHODS = {
     "draft_model": dict(draft=True),
     "ngram": dict(),
+    "suffix": dict(),
     "hybrid": dict(draft=True),
     "self": dict(draft_layers=1),
     "hybrid+self": dict(draft=True, draft_layers=1),
@@ -54,9 +55,9 @@ METHODS = {
 }
 
 
-# The combinations at k = 4 and adaptive only, for the suite's time: the "self" and "eagle" cases cover the early
-# exit and the head at every k.
-CASES = [(m, k) for m in METHODS for k in (1, 4, 8, None) if "+" not in m or k in (4, None)]
+# The combinations and suffix decoding at k = 4 and adaptive only, for the suite's time: the "self" and "eagle" cases
+# cover the early exit and the head at every k, "ngram" a one-hot lookup's.
+CASES = [(m, k) for m in METHODS for k in (1, 4, 8, None) if ("+" not in m and m != "suffix") or k in (4, None)]
 
 
 @pytest.mark.parametrize(("method", "k"), CASES, ids=lambda v: v if isinstance(v, str) else

@@ -160,7 +160,7 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
 # Every source under every setting; the hybrid with an EAGLE head (whose own q rows the "eagle" cases cover)
 # and the early exit through an exit head (whose reduced vocabulary they cover too) at temperature 1 only, to
 # keep the suite's time.
-CASES = [(m, s) for m in ("draft_model", "ngram", "hybrid", "self", "hybrid+self", "eagle") for s in SETTINGS]
+CASES = [(m, s) for m in ("draft_model", "ngram", "suffix", "hybrid", "self", "hybrid+self", "eagle") for s in SETTINGS]
 CASES += [("hybrid+eagle", "temperature=1"), ("self+exit", "temperature=1")]
 
 
@@ -177,7 +177,7 @@ def test_sampled_tokens_follow_the_target_distribution(method, setting, seeded, 
         draft = draft.parent / "eagle"
     llm = LLM(
         model=str(target.parent / "target-exit" if method == "self+exit" else target),
-        draft_model=str(draft) if method.split("+")[0] not in ("ngram", "self") else None,
+        draft_model=str(draft) if method.split("+")[0] not in ("ngram", "suffix", "self") else None,
         draft_layers=1 if "self" in method else None, speculative_method=method.split("+")[0],
         num_speculative_tokens=3, dtype="float32", device="cpu", max_num_seqs=512, max_num_batched_tokens=4096,
         seed=1234,

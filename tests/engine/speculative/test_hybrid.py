@@ -89,7 +89,7 @@ def test_hybrid_is_the_default_with_a_draft_model(model_sets):
     ms = model_sets["llama"]
     llm = LLM(str(ms.target), draft_model=str(ms.draft), dtype="float32", device="cpu")
     assert llm.engine.config.speculative_method.value == "hybrid"
-    assert set(llm.engine.drafting.policies) == {"draft_model", "ngram"}, "one adaptive policy per source"
+    assert set(llm.engine.drafting.policies) == {"draft_model", "ngram", "suffix"}, "one adaptive policy per source"
 
 
 def test_a_sequence_that_is_not_decoding_keeps_no_earlier_plan(model_sets):
