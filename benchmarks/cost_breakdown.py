@@ -33,28 +33,19 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from transformers import AutoTokenizer  # noqa: E402
 
+from benchmarks.engine_bench.steps import recorded_steps  # noqa: E402
 from benchmarks.peer_bench.loops import is_loop  # noqa: E402
 from benchmarks.peer_bench.prompts import PROMPT_SETS  # noqa: E402
-from engine import LLM, SamplingParams, StepStats  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
 
 ENGINES = {"default": dict(speculative_method="hybrid"), "none": dict(speculative_method="none")}
 
 
 def run(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[dict[str, float], list[list[int]]]:
-    steps: list[StepStats] = []
-    inner = llm.engine.step
-
-    def step():  # noqa: ANN202
-        out = inner()
-        if llm.engine.last_step is not None:
-            steps.append(llm.engine.last_step)
-        return out
-
-    llm.engine.step = step  # an instance attribute: generate() calls engine.step
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    with recorded_steps(llm) as steps:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     wall = time.perf_counter() - t0
-    del llm.engine.step
     decode = [s for s in steps if s.num_prompt_tokens == 0 and s.num_decoding]
     n = max(1, len(decode))
     seq_steps = sum(s.num_decoding for s in decode)

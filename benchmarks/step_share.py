@@ -16,32 +16,22 @@ import argparse
 import time
 from pathlib import Path
 
+from engine_bench.steps import recorded_steps
 from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
-from engine.types.stats import StepStats
 from recipe.evaluate import held_out_prompts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def measure(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> dict[str, float]:
-    steps: list[StepStats] = []
-    inner = llm.engine.step
-
-    def step():  # noqa: ANN202
-        out = inner()
-        if llm.engine.last_step is not None:
-            steps.append(llm.engine.last_step)
-        return out
-
-    llm.engine.step = step  # instance attribute: generate() calls engine.step
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        llm.generate(prompts[i : i + batch], params)
+    with recorded_steps(llm) as steps:
+        for i in range(0, len(prompts), batch):
+            llm.generate(prompts[i : i + batch], params)
     wall = time.perf_counter() - t0
-    llm.engine.step = inner
     decode = [s for s in steps if s.num_prompt_tokens == 0]
     step_s = sum(s.step_seconds for s in decode)
     target_s, draft_s = sum(s.target_seconds for s in decode), sum(s.draft_seconds for s in decode)
