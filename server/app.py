@@ -96,6 +96,8 @@ class Lifespan:
         state.metrics.declare_compile(lambda: engine.compile_state)
         if "suffix" in draft_methods(engine):
             state.metrics.declare_suffix_cache(engine.drafting.suffix_cache_nodes)  # type: ignore[union-attr]
+        if engine.controller is not None:
+            state.metrics.controller.declare_cost_model(engine.controller.cost.parameters)
         observers = [state.metrics] if state.stats_log is None else [state.metrics, state.stats_log]
         async_engine = AsyncEngine(engine, config.max_queue, observers=observers, on_fatal=state.fail)
         limits = Limits(config.max_n, config.max_stop_sequences, config.request_timeout, config.token_healing)

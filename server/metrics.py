@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engine import GRAMMAR_SOURCE, AuditResult, LLMEngine, RequestOutput, StepStats
+from server.controller_metrics import ControllerMetrics
 from server.count_histogram import CountHistogram
 from server.step_window import StepWindow
 
@@ -111,6 +112,7 @@ class Metrics:
         self.step_seconds = counter("specd:engine_step_seconds", "Wall time of engine steps, seconds.")
         self.target_seconds = counter("specd:target_forward_seconds", "Target forward passes within steps, seconds.")
         self.draft_seconds = counter("specd:draft_seconds", "Drafting (proposals, all draft forwards) within steps.")
+        self.controller = ControllerMetrics(r, name)
         # Prefix caching: hits / queries is the fraction of admitted tokens whose K/V was reused.
         self.prefix_queries = counter(
             "specd:prefix_cache_queries", "Tokens of admitted sequences looked up in the prefix cache (recomputes too)."
@@ -223,6 +225,7 @@ class Metrics:
         self.step_seconds.inc(step.step_seconds)
         self.target_seconds.inc(step.target_seconds)
         self.draft_seconds.inc(step.draft_seconds)
+        self.controller.observe_step(step)
         if step.num_draft_tokens:
             for source in step.by_source:
                 series = self._series(source.name)

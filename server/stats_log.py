@@ -5,7 +5,8 @@
         mean accepted length 3.14, k 3.90 | KV cache 12.5%          (one line in the log)
 
 ("acceptance -" when nothing was drafted; "acceptance 71.3% (draft_model 60.1%, ngram 82.0%)" when more than
-one draft method drafted, each method's own rate; ", preempted N" at the end when the scheduler preempted,
+one draft method drafted, each method's own rate; ", speculating in S% of steps" with adaptive k: the share of
+steps the goodput controller chose to speculate in; ", preempted N" at the end when the scheduler preempted,
 ", prefix cache hits H%" when requests were admitted: the share of their tokens found cached).
 Rates are over the interval since the previous line. Nothing is logged for an interval without steps.
 """
@@ -80,6 +81,9 @@ def format_line(t: StepTotals, elapsed: float, running: int, waiting: int, kv_us
     preempted = f", preempted {t.num_preempted}" if t.num_preempted else ""
     if t.prefix_cache_queries:
         preempted += f", prefix cache hits {t.prefix_cache_hits / t.prefix_cache_queries:.1%}"
+    steps = sum(t.speculation.values())
+    if steps:  # the goodput controller's choices (adaptive k only)
+        preempted = f", speculating in {t.speculation.get('speculate', 0) / steps:.0%} of steps" + preempted
     elapsed = max(elapsed, 1e-9)
     return (
         f"generation {t.num_generated_tokens / elapsed:.1f} tok/s, prefill {t.num_prompt_tokens / elapsed:.1f} tok/s | "

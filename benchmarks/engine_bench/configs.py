@@ -124,8 +124,9 @@ class SpecdConfig(Config):
             return out
 
         engine.step = recording_step  # type: ignore[method-assign]
-        if engine.policy is not None:
-            log.info("%s: engine's calibrated adaptive c at batch 1 = %.3f", key, engine.policy.cost_ratio(1))
+        if engine.controller is not None:
+            log.info("%s: the goodput controller's step-cost model at start-up: %s", key,
+                     engine.controller.cost.parameters())
 
     def run(self, prompts: list[list[int]], tally: Tally | None) -> int:
         self._recording = tally

@@ -108,10 +108,10 @@ def report(configs: list[Config], args: argparse.Namespace, meta: dict[str, str]
         if r.get("key") == "g"
     )
     policy_cs = "; ".join(
-        f"{cfg.key}: {cfg.llm.engine.policy.cost_ratio(1):.3f} at batch 1, "
-        f"{cfg.llm.engine.policy.cost_ratio(BATCH):.3f} at batch {BATCH}"
+        f"{cfg.key}: " + ", ".join(f"{term} {1e3 * v:.3f} ms" for term, v in
+                                   cfg.llm.engine.controller.cost.parameters().items())
         for cfg in configs
-        if isinstance(cfg, SpecdConfig) and cfg.llm.engine.policy is not None
+        if isinstance(cfg, SpecdConfig) and cfg.llm.engine.controller is not None
     )
     split_lines = [
         f"| {cfg.label} | {b} | {sp['steps']} | {sp['draft']:.0%} | {sp['target']:.0%} | "
@@ -156,8 +156,8 @@ def report(configs: list[Config], args: argparse.Namespace, meta: dict[str, str]
         f"{g_check}.",
         "- Speedups are medians over repeats of the per-repeat ratio to the baseline run in the same repeat; "
         "tok/s are medians of each configuration alone.",
-        f"- The adaptive policy's own cost ratio after the run (engine.policy.cost_ratio, which includes the "
-        f"target's marginal cost per verified token): {policy_cs}.",
+        f"- The goodput controller's step-cost model after the run (engine.controller.cost.parameters()): "
+        f"{policy_cs}.",
         f"- greedy outputs identical to (a) at the same batch size (prompts): {output_checks(configs)}. Random "
         "models have near-tied logits, so a mismatch between batch sizes or against transformers can be float "
         "rounding, not a bug; within one batch size specd should match exactly.",

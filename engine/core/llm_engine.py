@@ -6,6 +6,7 @@ import random
 import threading
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 import torch
 
@@ -16,7 +17,7 @@ from engine.sample.verifier import Verifier
 from engine.sched.block_manager import BlockManager
 from engine.sched.scheduler import Scheduler
 from engine.sched.stop import StopChecker
-from engine.speculative.adaptive import AdaptivePolicy
+from engine.speculative.controller import GoodputController
 from engine.speculative.drafting import Drafts, make_drafting
 from engine.structured.grammar import GrammarBackend
 from engine.structured.healing import heal
@@ -175,9 +176,9 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     @property
-    def policy(self) -> AdaptivePolicy | None:
-        """The draft model's adaptive policy (the lookup's without a draft model), None at a fixed k."""
-        return self.drafting.policy if self.drafting is not None else None
+    def controller(self) -> GoodputController | None:
+        """The goodput controller of adaptive k; None at a fixed k or without speculation."""
+        return self.drafting.controller if self.drafting is not None else None
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -197,6 +198,7 @@ class LLMEngine:
         logits = self._forward(sched.scheduled, drafts.tokens)  # [R, V]
         t3 = time.perf_counter()
         verdicts = self._verify(sched, drafts, logits)
+        verify_seconds = time.perf_counter() - t3
         num_prompt = sum(s.num_new_tokens for s in sched.scheduled if s.seq.num_computed < s.seq.num_prompt_tokens)
         outputs = self.scheduler.update(sched, verdicts)
         t4 = time.perf_counter()
@@ -204,14 +206,18 @@ class LLMEngine:
             self.drafting.absorb(sched.scheduled, starts, drafts.tokens)
         absorb_seconds = time.perf_counter() - t4  # drafting work (an EAGLE head's input), though it runs here
         if self.drafting is not None:
-            fed = sum(s.num_new_tokens + len(d) for s, d in zip(sched.scheduled, drafts.tokens))
-            self.drafting.observe(sched.scheduled, verdicts, fed, t3 - t2)
+            self.drafting.observe(sched.scheduled, verdicts, drafts.tokens, starts, t3 - t2 + verify_seconds)
         audits = self._finish(outputs)
         outputs = [o for o in outputs if not is_audit(o.request_id)]  # audits are the engine's own work
         grammar_seconds, compiles = self._drain_grammar_costs()
-        self.last_step = StepStats.of(sched, verdicts, outputs, num_prompt, audits, self.num_running,
-                                      self.num_waiting, self.block_manager.usage, t2 - t1 + absorb_seconds, t3 - t2,
-                                      time.perf_counter() - t0, grammar_seconds, compiles)
+        step = StepStats.of(sched, verdicts, outputs, num_prompt, audits, self.num_running, self.num_waiting,
+                            self.block_manager.usage, t2 - t1 + absorb_seconds, t3 - t2, time.perf_counter() - t0,
+                            grammar_seconds, compiles)
+        if self.drafting is not None:
+            decision = self.drafting.decision
+            step = replace(step, num_draft_forwards=self.drafting.num_forwards, speculation=decision.mode,
+                           predicted_speedup=decision.predicted_speedup)
+        self.last_step = step
         self.spec_stats.add(self.last_step)
         return outputs
 

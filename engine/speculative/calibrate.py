@@ -1,40 +1,61 @@
-"""Seed an adaptive policy's cost model with a few timed forwards at start-up, so the first requests
-already get a sensible k."""
+"""Profile the step-cost model at start-up with a few timed forwards, so the first requests already get a
+sensible plan; every later step corrects it (engine.speculative.step_cost)."""
 
 from __future__ import annotations
 
 import logging
 import time
 
-from engine.speculative.adaptive import AdaptivePolicy
+from engine.speculative.controller import GoodputController
+from engine.speculative.eagle import EagleRunner
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+# Host work per sequence before any step measured it (asking the lookups, a speculative step's bookkeeping):
+# a guess of the right order on CPU and GPU hosts alike, which the first steps replace.
+HOST_PRIOR_SECONDS = 3e-5
 
-def calibrate(policy: AdaptivePolicy, target: ModelRunner, draft: ModelRunner | None, block_size: int,
-              name: str) -> None:
-    """Writes into blocks nobody owns yet; their contents are garbage-by-design. ``draft`` is the
-    runner whose forwards a draft costs, None for prompt lookup."""
-    k_max = policy.k_max
-    # The layouts of the steps being priced: a decode and a full verify, after one cached position (a one-token
-    # context is a shape no step has, so a compiled runner would time it eagerly, at 2-3x the cost). A third,
-    # longer size is a prefill chunk, which steps of speculation never run.
-    sizes = (1, k_max + 1)
-    blocks = list(range(-(-(1 + max(sizes)) // block_size)))
-    for runner, cost in ((target, policy.target_cost), (draft, policy.draft_cost)):
+
+def _best_of(runner: ModelRunner | EagleRunner, batch: ForwardBatch, repeats: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        runner.forward(batch)
+        runner.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def calibrate(controller: GoodputController, target: ModelRunner, drafters: dict[str, ModelRunner | EagleRunner | None],
+              block_size: int, max_tokens: int, num_blocks: int) -> None:
+    """Writes into blocks nobody owns yet; their contents are garbage-by-design. ``drafters``: the runner
+    behind each model drafter's forwards, by source name; ``max_tokens``: the most a step feeds."""
+    k_max = controller.k_max
+    # The sizes of the steps being priced: a decode, small and full verifies of one sequence, and batches' worth of
+    # tokens; each after a short cached context (a one-token context is a shape no step has, so a compiled runner
+    # would time it eagerly), the decode and the full verify after a longer one too (what context adds).
+    verify = k_max + 1
+    sizes = sorted({1, 2, 3, k_max // 2 + 1, verify, *(verify * m for m in (2, 4, 8, 16))})
+    room = num_blocks * block_size  # a tiny cache (a test's) still gets a profile, of the sizes it holds
+    short, long = block_size, min(16 * block_size, 256, room // 4)
+    max_tokens = max(2, min(max_tokens, room // 2 - long))
+    sizes = [n for n in sizes if n <= max_tokens]
+    runs = [(n, short) for n in sizes] + [(n, long) for n in (1, verify) if n <= max_tokens]
+    blocks = list(range(-(-(max(start + n for n, start in runs)) // block_size)))
+    points = []
+    for n, start in runs:
+        seconds = _best_of(target, ForwardBatch([[0] * n], [start], [blocks], [n]))
+        points.append((n, n * (start + n) / 1000.0, seconds))
+    controller.cost.target.set_profile(points)
+    for name, runner in drafters.items():
         if runner is None:
             continue
-        for n in sizes:
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                runner.forward(ForwardBatch([[0] * n], [1], [blocks], [n]))
-                runner.synchronize()
-                best = min(best, time.perf_counter() - t0)
-            cost.observe(n, best)
-    if draft is None:
-        # n-gram lookup: a draft costs a Python lookup, not a forward; a small constant will do.
-        policy.draft_cost.observe(1, 2e-5)
-    logger.info("adaptive k (%s): cost ratio c at batch 1 = %.3f", name, policy.cost_ratio(1))
+        for n in (1, verify):
+            controller.cost.drafters[name].observe(n, _best_of(runner, ForwardBatch([[0] * n], [1], [blocks], [n])))
+    for fit in (controller.cost.lookup, controller.cost.host):
+        fit.observe(1, HOST_PRIOR_SECONDS)
+        fit.observe(8, 8 * HOST_PRIOR_SECONDS)
+    logger.info("goodput controller: step cost model at start-up %s",
+                ", ".join(f"{k} {1e3 * v:.3f} ms" for k, v in controller.cost.parameters().items()))

@@ -2,25 +2,27 @@
 themselves; then what the step taught about each source.
 
 Sources sit behind one Protocol (engine.speculative.source): the lookups, prompt lookup and suffix decoding
-(near free: they are asked for their proposals while planning), the draft model and the target's own early
-layers. Each sequence drafts from the one that promises more tokens per unit of step cost, each source with
-its own adaptive policy (their costs and acceptance differ). Mixing is exact: a lookup's proposal is one-hot,
+(cheap: asked for their proposals while planning, when the plan may use them), the draft model and the
+target's own early layers. With adaptive k the goodput controller (engine.speculative.controller) picks each
+sequence's source and k for the whole batch at once; at a fixed k a matching lookup drafts, else the first
+drafter. Mixing is exact: a lookup's proposal is one-hot,
 so where a batch needs q, its rows are one-hot vectors beside the drafters' real distributions, and
 verification holds row by row.
 """
 
 from __future__ import annotations
 
-import copy
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from engine.speculative.adaptive import AdaptivePolicy
 from engine.speculative.calibrate import calibrate
+from engine.speculative.controller import Decision, GoodputController
 from engine.speculative.draft_model import DraftModelSource
 from engine.speculative.eagle import EagleRunner, EagleSource
-from engine.speculative.forced import FORCED
+from engine.speculative.forced import FORCED, grammatical, with_forced
 from engine.speculative.ngram import LookupSource
 from engine.speculative.self_draft import SelfDraftSource
 from engine.speculative.source import DraftRequest, DraftSource
@@ -44,14 +46,17 @@ class Drafts:
 class Drafting:
     """``drafters``: the sources that run a model (the draft model, the target's early layers), in order of
     preference at a fixed k; ``lookups``: prompt lookup and suffix decoding, in that order of preference at a
-    fixed k, asked while planning since they cost next to nothing."""
+    fixed k. ``controller``: the goodput controller of adaptive k, None at a fixed k."""
 
     def __init__(self, config: EngineConfig, drafters: list[DraftSource], lookups: list[DraftSource],
-                 policies: dict[str, AdaptivePolicy]) -> None:
+                 controller: GoodputController | None) -> None:
         self.config = config
         self.drafters = drafters
         self.lookups = lookups
-        self.policies = policies  # one per source, by name; empty at a fixed k
+        self.controller = controller
+        self.num_forwards = 0  # the drafters' forwards in the last observed step
+        self.decision = Decision(mode="")  # the controller's, for the step planned last
+        self._lookup_seconds = self._propose_seconds = 0.0
 
     @property
     def lookup(self) -> DraftSource | None:
@@ -68,11 +73,6 @@ class Drafting:
         """Nodes of suffix decoding's global index (0 without it): its memory, at about 30 bytes a node."""
         return sum(s.cache.num_nodes for s in self.lookups if isinstance(s, SuffixSource))
 
-    @property
-    def policy(self) -> AdaptivePolicy | None:
-        """The first drafter's adaptive policy (the lookup's without one), None at a fixed k."""
-        return next(iter(self.policies.values()), None)
-
     def source(self, name: str) -> DraftSource | None:
         return next((s for s in (*self.drafters, *self.lookups) if s.name == name), None)
 
@@ -84,18 +84,57 @@ class Drafting:
             d = seq.draft
             d.source, d.k, d.lag, d.lookup, d.forced, d.extend, d.forced_at, d.num_forced = None, 0, 0, [], [], 0, 0, 0
             d.proposals = {}
-        for seq in decoding:
-            d = seq.draft
-            source, k = self._route(seq, len(decoding))
-            if source is not None:  # with k = 0 too: a lookup shadowing a drafter still learns from the step
-                d.source, d.k, d.lag = source.name, k, source.lag(seq)
-                if k and source is not FORCED and seq.grammar is not None and self.config.grammar_drafts:
-                    # Room for what the grammar forces after these drafts (a key after a value): certain
-                    # once the drafts before them are accepted, so free beside them.
-                    d.extend = self.config.k_max
-                    d.k += d.extend
+        self._lookup_seconds = 0.0
+        adaptive = [False] * len(decoding)
+        for i, seq in enumerate(decoding):
+            source, k = self._route(seq)
+            if k < 0:
+                adaptive[i] = True
+            elif source is not None:  # with k = 0 too: a lookup shadowing a drafter still learns from the step
+                self._assign(seq, source, k, source.lag(seq))
+        self.decision = Decision(mode="")
+        if self.controller is not None and any(adaptive):
+            self._plan_adaptive(decoding, adaptive)
+            self.decision = self.controller.decision
 
-    def _route(self, seq: Sequence, batch: int) -> tuple[DraftSource | None, int]:
+    def _assign(self, seq: Sequence, source: DraftSource, k: int, lag: int) -> None:
+        d = seq.draft
+        d.source, d.k, d.lag = source.name, k, lag
+        if source.name in d.proposals:
+            d.lookup = d.proposals[source.name]
+        if k and source is not FORCED and seq.grammar is not None and self.config.grammar_drafts:
+            # Room for what the grammar forces after these drafts (a key after a value): certain
+            # once the drafts before them are accepted, so free beside them.
+            d.extend = self.config.k_max
+            d.k += d.extend
+
+    def _plan_adaptive(self, seqs: list[Sequence], adaptive: list[bool]) -> None:
+        """The goodput controller's plan for the sequences on the adaptive path (engine.speculative.controller)."""
+        c = self.controller
+        assert c is not None
+        on = np.array(adaptive)
+        lags = {s.name: np.array([s.lag(seq) if a else 0 for seq, a in zip(seqs, adaptive)]) for s in self.drafters}
+        plan = c.before_lookups(seqs, on, lags)
+        asked = c.wants_lookups(plan)
+        if asked:
+            asking = [seq for seq, a in zip(seqs, adaptive) if a]
+            t0 = time.perf_counter()
+            for lookup in self.lookups:
+                proposal = lookup.propose([DraftRequest(seq, self.config.k_max) for seq in asking])
+                for seq, tokens in zip(asking, proposal.tokens):
+                    seq.draft.proposals[lookup.name] = tokens
+            self._lookup_seconds = time.perf_counter() - t0
+            c.cost.lookup.observe(len(asking), self._lookup_seconds)
+            plan = c.with_proposals(seqs, on, lags)
+        c.decide(plan, asked)
+        for i, (seq, (name, k)) in enumerate(zip(seqs, plan.choices)):
+            source = self.source(name) if name is not None and k else None
+            if adaptive[i] and source is not None:
+                self._assign(seq, source, k, int(lags[name][i]) if name in lags else 0)
+
+    def _route(self, seq: Sequence) -> tuple[DraftSource | None, int]:
+        """The source and k of a sequence whose k is fixed (by the request or the server) or forced by its grammar;
+        k = -1 for the adaptive path, which the controller plans for the whole batch."""
         k = seq.params.num_speculative_tokens
         if k is None:
             k = self.config.num_speculative_tokens
@@ -108,39 +147,25 @@ class Drafting:
             d.forced = seq.grammar.forced()
             if d.forced:
                 return FORCED, min(len(d.forced), k or self.config.k_max)
+        if k is None:
+            return None, -1
         for lookup in self.lookups:
-            d.proposals[lookup.name] = lookup.propose([DraftRequest(seq, k or self.config.k_max)]).tokens[0]
-        if k is not None:
-            # A fixed k: the first lookup that matched (the hybrid's need two tokens of match), else a drafter.
-            matched = next((s for s in self.lookups if d.proposals[s.name]), None)
-            if matched is None and not self.drafters:
-                matched = self.lookups[0]
-            if matched is not None:
-                d.lookup = d.proposals[matched.name]
-                return matched, min(k, len(d.lookup))
-            return self.drafters[0], k
-        # Adaptive: each source's own history and cost decide. A lookup competes where it proposed something,
-        # its k capped by its proposal's length: prompt lookup's and suffix decoding's acceptance are learned
-        # per sequence apart, so a request that repeats earlier outputs goes to suffix decoding, one that
-        # quotes its own prompt to whichever of the two has been right there, one with nothing to match to
-        # a model drafter.
-        best, rate, cap = None, -1.0, None
-        for drafter in self.drafters:
-            r = self.policies[drafter.name].rate(d.track(drafter.name), batch)
-            if r > rate:
-                best, rate = drafter, r
-        for lookup in self.lookups:
-            n = len(d.proposals[lookup.name])
-            if n or (best is None and lookup is self.lookups[-1]):
-                r = self.policies[lookup.name].rate(d.track(lookup.name), batch, n)
-                if best is None or r > rate or (r == rate and best in self.drafters):
-                    best, rate, cap = lookup, r, n
-        assert best is not None
-        if cap is not None:
-            d.lookup = d.proposals[best.name]
-        return best, self.policies[best.name].choose(d.track(best.name), batch, cap)
+            d.proposals[lookup.name] = lookup.propose([DraftRequest(seq, k)]).tokens[0]
+        # A fixed k: the first lookup that matched (the hybrid's need two tokens of match), else a drafter.
+        matched = next((s for s in self.lookups if d.proposals[s.name]), None)
+        if matched is None and not self.drafters:
+            matched = self.lookups[0]
+        if matched is not None:
+            return matched, min(k, len(d.proposals[matched.name]))
+        return self.drafters[0], k
 
     def propose(self, scheduled: list[ScheduledSeq], vocab: int) -> Drafts:
+        t0 = time.perf_counter()
+        drafts = self._propose(scheduled, vocab)
+        self._propose_seconds = time.perf_counter() - t0
+        return drafts
+
+    def _propose(self, scheduled: list[ScheduledSeq], vocab: int) -> Drafts:
         tokens: list[list[int]] = [[] for _ in scheduled]
         asked: dict[str, tuple[list[DraftRequest], list[int]]] = {s.name: ([], []) for s in self.drafters}
         for i, s in enumerate(scheduled):
@@ -187,63 +212,49 @@ class Drafting:
             if isinstance(drafter, EagleSource):
                 drafter.absorb(scheduled, starts, [s.num_new_tokens + len(d) for s, d in zip(scheduled, drafts)])
 
-    def observe(self, scheduled: list[ScheduledSeq], verdicts: list[Verdict | None], num_fed: int,
-                target_seconds: float) -> None:
-        """Costs of this step's forwards, and each sequence's outcome, into the adaptive policies."""
-        for policy in self.policies.values():
-            policy.target_cost.observe(num_fed, target_seconds)
+    def observe(self, scheduled: list[ScheduledSeq], verdicts: list[Verdict | None], drafts: list[list[int]],
+                starts: list[int], target_seconds: float) -> None:
+        """Costs of this step's parts, and each sequence's outcome, into the goodput controller. ``starts``:
+        num_computed before the step; ``target_seconds``: the target's forward and the verification."""
+        forward_seconds, self.num_forwards = 0.0, 0
+        c = self.controller
         for drafter in self.drafters:
-            # Drained every step, policy or not.
-            for n, secs in drafter.drain_costs():
-                if drafter.name in self.policies:
-                    self.policies[drafter.name].draft_cost.observe(n, secs)
+            for n, secs in drafter.drain_costs():  # drained every step, controller or not
+                forward_seconds += secs
+                self.num_forwards += 1
+                if c is not None:
+                    c.cost.drafters[drafter.name].observe(n, secs)
+        if c is None:
+            return
+        fed = [s.num_new_tokens + len(d) for s, d in zip(scheduled, drafts)]
+        context = sum(n * (start + n) for n, start in zip(fed, starts)) / 1000.0
+        c.cost.target.observe(sum(fed), context, target_seconds)
+        speculating = sum(1 for d in drafts if d)
+        if speculating:
+            # The rest of a speculative step's host work: proposing, less the drafters' own forwards.
+            c.cost.host.observe(speculating, max(0.0, self._propose_seconds - forward_seconds))
         for s, v in zip(scheduled, verdicts):
             d = s.seq.draft
-            if v is None or v.error is not None or d.source is None:
+            if v is None or v.error is not None:
                 continue
             for name, proposal in d.proposals.items():
-                lookup = self.policies.get(name)
-                if lookup is not None and proposal and d.source in self.policies and d.source != name:
-                    # A lookup's proposal scored against what the step emitted: free acceptance evidence
-                    # (greedy: exactly what it would have had), censored at the emitted length.
+                if proposal and d.source != name and name in c.acceptance:
+                    # A lookup's proposal scored against what the step emitted: free acceptance evidence, censored
+                    # at the emitted length (greedy: exactly what it would have had; sampled: a one-hot draft x is
+                    # accepted with probability p(x), the chance the target emits x).
                     seen = proposal[: len(v.tokens)]
                     agreed = next((i for i, (a, b) in enumerate(zip(seen, v.tokens)) if a != b), len(seen))
-                    lookup.observe(d.track(name), len(seen), agreed)
-            policy = self.policies.get(d.source)
-            if policy is not None:  # from its own drafts only: forced ones teach a source nothing
+                    c.acceptance[name].observe(d.track(name), len(seen), agreed)
+            for drafter in self.drafters:
+                track = d.tracks.get(drafter.name)
+                if track is not None and track.alpha is not None and drafter.name != d.source:
+                    # A model drafter sitting out has no evidence on this sequence but old: its estimate drifts
+                    # back to the source's rate, so one bad stretch does not keep it out for the request's life.
+                    track.alpha.fade(0.95)
+            if d.source in c.acceptance:  # from its own drafts only: forced ones teach a source nothing
                 for share in shares(d, v.num_drafts, v.num_accepted):
                     if share.source == d.source:
-                        policy.observe(d.track(d.source), share.drafted, share.accepted)
-
-
-def grammatical(scheduled: list[ScheduledSeq], tokens: list[list[int]]) -> list[list[int]]:
-    """Each structured sequence's drafts cut at the first one its grammar forbids: the masked target gives
-    that draft probability 0, so it and everything after it would be rejected anyway; cutting spares the
-    target their rows (and an EOS draft ends them, since the grammar then allows nothing)."""
-    for i, s in enumerate(scheduled):
-        grammar = s.seq.grammar
-        if grammar is not None and tokens[i]:
-            tokens[i] = tokens[i][: grammar.valid_prefix(tokens[i])]
-    return tokens
-
-
-def with_forced(scheduled: list[ScheduledSeq], tokens: list[list[int]]) -> list[list[int]]:
-    """Appends to each structured sequence's drafts what its grammar forces after them, into the slots
-    kept for it (``DraftState.extend``), and records where the forced drafts are (for the stats and
-    so that a source's acceptance is learned from its own drafts only)."""
-    for i, s in enumerate(scheduled):
-        d, grammar = s.seq.draft, s.seq.grammar
-        if d.source == FORCED.name:
-            d.forced_at, d.num_forced = 0, len(tokens[i])
-        elif grammar is not None and d.extend and tokens[i]:
-            room = s.num_draft_slots - len(tokens[i])
-            if room > 0:
-                grammar.push(tokens[i])
-                extra = grammar.forced()[:room]
-                grammar.pop(len(tokens[i]))
-                d.forced_at, d.num_forced = len(tokens[i]), len(extra)
-                tokens[i] = tokens[i] + extra
-    return tokens
+                        c.acceptance[d.source].observe(d.track(d.source), share.drafted, share.accepted)
 
 
 def make_drafting(config: EngineConfig, target: ModelRunner, draft: ModelRunner | EagleRunner | None,
@@ -268,20 +279,9 @@ def make_drafting(config: EngineConfig, target: ModelRunner, draft: ModelRunner 
         lookups.append(LookupSource(config.ngram_max, max(2, config.ngram_min) if strict else config.ngram_min))
     if config.uses_suffix:
         lookups.append(SuffixSource(config.suffix_cache_requests, config.suffix_max_draft, 2 if strict else 1))
-    policies: dict[str, AdaptivePolicy] = {}
+    controller = None
     if config.num_speculative_tokens is None:
-        # A draft costs its runner's forwards, or (runner None) a lookup's near-nothing.
-        for source, runner in drafters:
-            policies[source.name] = AdaptivePolicy(config.k_max)
-            calibrate(policies[source.name], target, runner, config.block_size, source.name)
-        for source in lookups:
-            # The lookups cost the same (nothing but the target's marginal price): one calibration, copied, so
-            # that they differ by their acceptance alone, never by the noise of two timings.
-            policies[source.name] = AdaptivePolicy(config.k_max)
-            if source is lookups[0]:
-                calibrate(policies[source.name], target, None, config.block_size, source.name)
-            else:
-                first = policies[lookups[0].name]
-                policies[source.name].target_cost = copy.deepcopy(first.target_cost)
-                policies[source.name].draft_cost = copy.deepcopy(first.draft_cost)
-    return Drafting(config, [source for source, _ in drafters], lookups, policies)
+        controller = GoodputController(config.k_max, [s.name for s, _ in drafters], [s.name for s in lookups])
+        calibrate(controller, target, {s.name: r for s, r in drafters}, config.block_size,
+                  config.max_num_batched_tokens, target.cache.num_blocks)
+    return Drafting(config, [source for source, _ in drafters], lookups, controller)

@@ -39,6 +39,11 @@ class AcceptanceEstimate:
         self.hits = self.decay * self.hits + accepted
         self.trials = self.decay * self.trials + accepted + (1 if accepted < k else 0)
 
+    def fade(self, factor: float) -> None:
+        """Forget a share of the evidence (the estimate moves toward the prior)."""
+        self.hits *= factor
+        self.trials *= factor
+
     def value(self, prior: float, prior_weight: float = 2.0) -> float:
         return (self.hits + prior * prior_weight) / (self.trials + prior_weight)
 
@@ -48,10 +53,7 @@ class SourceTrack:
     """One sequence's history with one draft source, kept on the sequence (``seq.draft``)."""
 
     alpha: AcceptanceEstimate | None = None  # None until the source has drafted for it
-    idle_steps: int = 0
-    probe_interval: int | None = None  # set once a probe accepted nothing
-    probing: bool = False
-
+    proposes: float = 1.0  # a lookup's: moving share of asks that found a proposal (1.0 until asked)
 
 
 @dataclass

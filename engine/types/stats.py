@@ -92,6 +92,11 @@ class StepStats:
     grammar_seconds: float = 0.0  # computing grammar masks within the step
     grammar_compile_seconds: tuple[float, ...] = ()  # one per structured request queued since the last step
     by_source: tuple[SourceStepStats, ...] = ()  # the speculation fields above, split by the source that drafted
+    num_draft_forwards: int = 0  # forwards the model drafters ran (catch-ups included)
+    # The goodput controller's choice: "plain", "probe" (plain, lookups asked), "speculate"; "" where it planned
+    # nothing (a fixed k, no speculation, no sequence decoding on the adaptive path).
+    speculation: str = ""
+    predicted_speedup: float = 1.0  # its expected tokens per second over the plain step's
 
     @classmethod
     def of(
@@ -198,6 +203,8 @@ class StepTotals:
     num_preempted: int = 0
     prefix_cache_queries: int = 0  # admitted tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, found there
+    num_draft_forwards: int = 0
+    speculation: dict[str, int] = field(default_factory=dict)  # steps by the goodput controller's choice
     by_source: dict[str, SourceStats] = field(default_factory=dict)
 
     @property
@@ -236,6 +243,9 @@ class StepTotals:
         self.num_preempted += sign * step.num_preempted
         self.prefix_cache_queries += sign * step.prefix_cache_queries
         self.prefix_cache_hits += sign * step.prefix_cache_hits
+        self.num_draft_forwards += sign * step.num_draft_forwards
+        if step.speculation:
+            self.speculation[step.speculation] = self.speculation.get(step.speculation, 0) + sign
         pos = self.accepted_per_position
         pos.extend([0] * (len(step.accepted_per_position) - len(pos)))
         for i, n in enumerate(step.accepted_per_position):
@@ -244,5 +254,5 @@ class StepTotals:
             self.by_source.setdefault(source.name, SourceStats()).add(source, sign)
 
     def copy(self) -> StepTotals:
-        return replace(self, accepted_per_position=list(self.accepted_per_position),
+        return replace(self, accepted_per_position=list(self.accepted_per_position), speculation=dict(self.speculation),
                        by_source={name: replace(s) for name, s in self.by_source.items()})

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from engine.speculative.step_cost import StepCostModel
 from tests.tiny_models import EOS
 
 NEAR_TIE = 1e-4  # top-2 logit gap below which float rounding may legitimately flip the argmax
@@ -117,27 +118,55 @@ def reference_transform(logits: torch.Tensor, temperature: float, top_k: int = 0
 
 
 def alternate_drafters(llm) -> set[frozenset[str]]:  # noqa: ANN001
-    """Routes each sequence that would draft from a model or from suffix decoding (which, drafting from every
-    earlier output, would take most of them) to the engine's drafters in turn, so steps mix the draft model's
-    and the early layers' proposals whatever their rates. Returns the set of drafter mixes seen in one step,
-    filled as the engine runs."""
+    """Routes every decoding sequence whose drafts the grammar does not force to the engine's drafters in turn,
+    after the plan (which, on these random drafters, would mostly pick suffix decoding or no drafts), so steps mix
+    the draft model's and the early layers' proposals whatever their rates. Returns the set of drafter mixes seen
+    in one step, filled as the engine runs."""
     drafting, mixes, turn = llm.engine.drafting, set(), [0]
-    route, propose = drafting._route, drafting.propose
+    plan, propose = drafting.plan, drafting.propose
     names = {d.name for d in drafting.drafters}
 
-    def routed(seq, batch):  # noqa: ANN001, ANN202
-        source, k = route(seq, batch)
-        if source in drafting.drafters or (source is not None and source.name == "suffix"):
-            turn[0] += 1
-            # At least 2 drafts, or an adaptive policy that learned these random drafters are poor would draft
-            # nothing to mix; any k is lossless.
-            source, k = drafting.drafters[turn[0] % len(drafting.drafters)], max(k, min(2, drafting.config.k_max))
-        return source, k
+    def routed(running):  # noqa: ANN001, ANN202
+        plan(running)
+        turn[0] += 1
+        for i, seq in enumerate(running):
+            d = seq.draft
+            if seq.is_decoding and not d.forced:
+                # Each sequence meets the other drafter next step; at least 2 drafts, so that there is something
+                # to mix; any k is lossless.
+                source = drafting.drafters[(turn[0] + i) % len(drafting.drafters)]
+                d.source, d.k, d.lag, d.lookup = source.name, max(d.k, min(2, drafting.config.k_max)), 0, []
+                d.lag = source.lag(seq)
 
     def spy(scheduled, vocab):  # noqa: ANN001, ANN202
         drafts = propose(scheduled, vocab)
         mixes.add(frozenset(s.seq.draft.source for s, t in zip(scheduled, drafts.tokens) if t) & names)
         return drafts
 
-    drafting._route, drafting.propose = routed, spy
+    drafting.plan, drafting.propose = routed, spy
     return mixes
+
+
+def flip_plain_and_speculative(engine) -> dict[str, int]:  # noqa: ANN001
+    """Makes the goodput controller alternate, step by step, between the plain step (k = 0 for everyone, no
+    speculative work) and speculating (a cost model where drafts cost nothing, so any acceptance pays), so the
+    outputs cross the k = 0 fast path and back many times. Returns the steps of each controller mode, filled as
+    the engine runs."""
+    drafting = engine.drafting
+    controller, plan = drafting.controller, drafting.plan
+    modes: dict[str, int] = {}
+    turn = [0]
+
+    def flipped(running):  # noqa: ANN001, ANN202
+        turn[0] += 1
+        controller.margin = float("inf") if turn[0] % 2 else 0.0
+        free = controller.cost = StepCostModel(controller.drafters)  # fresh: the steps' own timings go into it
+        for fit in (free.lookup, free.host, *free.drafters.values()):
+            fit.observe(1, 1e-9)
+        free.target.set_profile([(1, 0.0, 1e-3), (2, 0.0, 1e-3), (1, 1.0, 1e-3)])  # a flat step: drafts are free
+        plan(running)
+        if drafting.decision.mode:
+            modes[drafting.decision.mode] = modes.get(drafting.decision.mode, 0) + 1
+
+    drafting.plan = flipped
+    return modes

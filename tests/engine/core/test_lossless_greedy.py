@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.lossless import MAX_NEW, Reference, alternate_drafters, assert_same_as_target, prompts_for
+from tests.engine.lossless import (
+    MAX_NEW,
+    Reference,
+    alternate_drafters,
+    assert_same_as_target,
+    flip_plain_and_speculative,
+    prompts_for,
+)
 from tests.tiny_models import ARCHS
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
@@ -83,6 +90,22 @@ def test_greedy_speculation_equals_target_alone(arch, method, k, model_sets, eag
         assert llm.stats().num_draft_tokens > 0, "speculation never ran, so this test proved nothing"
     if mixes is not None:
         assert frozenset({"draft_model", "self"}) in mixes, "no step verified both drafters' proposals at once"
+
+
+@pytest.mark.parametrize("method", ["draft_model", "hybrid", "suffix", "self", "eagle"])
+def test_greedy_across_the_plain_fast_path_and_back_equals_target_alone(method, model_sets, eagle_heads, references,
+                                                                       tokenizer_dir):
+    """The goodput controller turns speculation off (the plain step: no draft forward, no drafts) and on again
+    every other step: the drafters catch up on what they missed, and the output stays the target's."""
+    ms = model_sets["llama"]
+    sources = METHODS[method]
+    draft = eagle_heads["llama"] if sources.get("eagle") else ms.draft if sources.get("draft") else None
+    llm = LLM(model=str(ms.target), draft_model=str(draft) if draft else None, draft_layers=sources.get("draft_layers"),
+              speculative_method=method, dtype="float32", device="cpu", block_size=WARM_BLOCK)
+    modes = flip_plain_and_speculative(llm.engine)
+    run_batches(llm, references["llama"], prompts_for(tokenizer_dir), f"llama/{method}/flipping")
+    assert modes.get("plain", 0) + modes.get("probe", 0) > 0 and modes.get("speculate", 0) > 0, modes
+    assert llm.stats().num_draft_tokens > 0, "speculation never ran, so this test proved nothing"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import LLM, SamplingParams
 from engine.speculative.source import Proposal
-from tests.engine.lossless import alternate_drafters, reference_transform
+from tests.engine.lossless import alternate_drafters, flip_plain_and_speculative, reference_transform
 
 V = 8
 PROMPT = [1, 2, 3, 1, 2]
@@ -198,6 +198,22 @@ def test_sampled_tokens_follow_the_target_distribution(method, setting, seeded, 
     p = chi_square_p(counts, exact_joint(target, **params))
     label = f"{method}/{setting}/{'seeded' if seeded else 'rejection'}"
     assert p > 1e-3, f"{label}: chi-square p-value {p:.2e}: samples are not distributed as the target"
+
+
+@pytest.mark.parametrize("method", ["draft_model", "hybrid"])
+def test_sampled_tokens_across_the_plain_fast_path_follow_the_target_distribution(method, pair):
+    """Adaptive k, the goodput controller turning speculation off and on every other step: the steps without
+    any speculative work and the catch-ups after them keep the target's distribution."""
+    target, draft = pair
+    llm = LLM(model=str(target), draft_model=str(draft), speculative_method=method, dtype="float32", device="cpu",
+              max_num_seqs=512, max_num_batched_tokens=4096, seed=4321)
+    modes = flip_plain_and_speculative(llm.engine)
+    counts = engine_samples(llm, False, temperature=1.0)
+    assert modes.get("plain", 0) + modes.get("probe", 0) > 0 and modes.get("speculate", 0) > 0, modes
+    stats = llm.stats()
+    assert stats.num_draft_tokens > 1000 and 0.02 < stats.acceptance_rate < 0.95, "both paths, many times"
+    p = chi_square_p(counts, exact_joint(target, temperature=1.0))
+    assert p > 1e-3, f"{method}/flipping: chi-square p-value {p:.2e}: samples are not distributed as the target"
 
 
 def test_chi_square_detects_the_drafts_own_distribution(pair):

@@ -1,0 +1,153 @@
+"""The goodput controller: every step, for each decoding sequence on the adaptive path, which source drafts and
+how many tokens, priced by the step-cost model against each source's acceptance (engine.speculative.goodput
+finds the best plan). It replaces fixed thresholds: speculation turns down, then off, exactly where the
+measured cost of a draft outweighs what it is expected to bring, and that point moves with the host, the
+forward in use and the batch.
+
+A plan is made twice, so that a step that will not speculate does no speculative work at all. First from what
+is known before any lookup is asked (each lookup's chance of proposing anything, what asking costs): if that
+plan is the plain step, no lookup is asked and no drafter runs. Otherwise the lookups are asked and the plan is
+made again from their real proposals. While speculation stays off, the lookups are still asked every
+``probe_interval`` steps, so that a request turning repetitive is noticed (their proposals are scored against
+what the step emits: evidence at the price of a lookup, without drafting).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from engine.speculative.adaptive import SourceAcceptance
+from engine.speculative.goodput import Block, Plan, solve
+from engine.speculative.goodput import plain as plain_plan
+from engine.speculative.step_cost import StepCostModel
+from engine.types.draft_state import SourceTrack
+from engine.types.sequence import Sequence
+
+PLAIN, PROBE, SPECULATE = "plain", "probe", "speculate"
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the controller chose for the step, for the stats: its mode, the speedup it predicted over the
+    plain step, and the drafts it planned."""
+
+    mode: str = PLAIN
+    predicted_speedup: float = 1.0
+    planned_drafts: int = 0
+
+
+class GoodputController:
+    def __init__(self, k_max: int, drafters: list[str], lookups: list[str], margin: float = 0.02,
+                 probe_interval: int = 16) -> None:
+        self.k_max = k_max
+        self.drafters = drafters  # the sources that run a forward per draft position, in order
+        self.lookups = lookups
+        self.cost = StepCostModel(drafters)
+        self.acceptance = {name: SourceAcceptance(k_max, explore=0.5 if name in drafters else 0.0)
+                           for name in (*drafters, *lookups)}
+        # The plan must beat the plain step by this much: the model's own error should not turn into a loss.
+        self.margin = margin
+        self.probe_interval = probe_interval
+        self._since_asked = 0
+        self._per_token = np.zeros(0)  # [S]: one more token's attention to each sequence's context, this step
+        self._drafts = 0  # drafts the last speculating plan fed: where the target's cost is linearised next
+        self._turn = False
+        self.decision = Decision()
+
+    def before_lookups(self, seqs: list[Sequence], adaptive: np.ndarray, lags: dict[str, np.ndarray]) -> Plan:
+        """The plan from what is known before asking the lookups, whose proposals are priced at each track's
+        share of asks that found one, at the cost of asking. ``adaptive`` [S]: the sequences planned for;
+        ``lags``: each model drafter's catch-up [S]."""
+        look_a, look_b = self.cost.lookup.coefficients()
+        blocks = self._drafter_blocks(seqs, adaptive, lags)
+        caps = np.where(adaptive, self.k_max, 0)
+        for name in self.lookups:
+            tracks = [seq.draft.track(name) for seq in seqs]
+            scale = np.array([t.proposes for t in tracks])
+            blocks.append(self._block(name, tracks, caps, scale, look_b))
+        return self._solve(seqs, blocks, look_a if self.lookups else 0.0)
+
+    def wants_lookups(self, plan: Plan) -> bool:
+        """Whether to ask the lookups this step: the first plan speculates (asking is cheap beside a speculative
+        step, and a real proposal may beat what was expected), or a probe is due."""
+        self._since_asked += 1
+        if plan.speculates or self._since_asked >= self.probe_interval:
+            self._since_asked = 0
+            return bool(self.lookups)
+        return False
+
+    def with_proposals(self, seqs: list[Sequence], adaptive: np.ndarray, lags: dict[str, np.ndarray]) -> Plan:
+        """The plan once each sequence's ``draft.proposals`` hold the lookups' real proposals."""
+        blocks = self._drafter_blocks(seqs, adaptive, lags)
+        for name in self.lookups:
+            tracks = [seq.draft.track(name) for seq in seqs]
+            lengths = np.array([len(seq.draft.proposals.get(name, ())) for seq in seqs])
+            for track, n, a in zip(tracks, lengths.tolist(), adaptive.tolist()):
+                if a:
+                    track.proposes = 0.8 * track.proposes + (0.2 if n else 0.0)
+            blocks.append(self._block(name, tracks, np.where(adaptive, np.minimum(lengths, self.k_max), 0)))
+        return self._solve(seqs, blocks, 0.0)
+
+    def decide(self, plan: Plan, probed: bool) -> None:
+        mode = SPECULATE if plan.speculates else (PROBE if probed else PLAIN)
+        self.decision = Decision(mode, plan.speedup, sum(k for _, k in plan.choices))
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("goodput: %s, %d drafts over %d sequences, predicted %.3fx, plain step %.3f ms", mode,
+                         self.decision.planned_drafts, len(plan.choices), plan.speedup, 1e3 * plan.plain_seconds)
+
+    def _block(self, name: str, tracks: list[SourceTrack], caps: np.ndarray, scale: np.ndarray | float = 1.0,
+               extra_fixed: float = 0.0, extra_per_draft: float = 0.0, drafter: int | None = None,
+               catch_up: np.ndarray | float = 0.0) -> Block:
+        """``name``'s options: gains g_j = scale * prod_{p<=j} min(1, level_seq rho_p) (SourceAcceptance.gains for a
+        whole batch),
+        priced at the target's per-token cost (plus ``extra_per_draft``) and the host's per-sequence cost."""
+        acc = self.acceptance[name]
+        alpha = np.array([acc.level(t) for t in tracks])  # [S]
+        rho = np.array(acc.position_rates())  # [K]
+        gains = np.cumprod(np.minimum(1.0, alpha[:, None] * rho[None, :]), axis=1) * np.reshape(scale, (-1, 1))
+        host = self.cost.host.coefficients()[1]
+        per_draft = self._per_token + extra_per_draft
+        fixed = np.broadcast_to(host + extra_fixed + np.asarray(catch_up, dtype=float), alpha.shape)  # [S]
+        return Block(name, gains, caps, per_draft, fixed, drafter)
+
+    def _drafter_blocks(self, seqs: list[Sequence], adaptive: np.ndarray, lags: dict[str, np.ndarray]) -> list[Block]:
+        lengths = np.array([s.num_tokens for s in seqs], dtype=float)
+        self._per_token = self.cost.target.per_token(lengths)  # [S]
+        blocks = []
+        for d, name in enumerate(self.drafters):
+            _, per_token = self.cost.drafters[name].coefficients()
+            tracks = [seq.draft.track(name) for seq in seqs]
+            # What the drafter has not seen yet is fed in its first forward: a catch-up priced per token.
+            blocks.append(self._block(name, tracks, np.where(adaptive, self.k_max, 0), extra_per_draft=per_token,
+                                      drafter=d, catch_up=lags[name] * per_token))
+        return blocks
+
+    def _solve(self, seqs: list[Sequence], blocks: list[Block], step_fixed: float) -> Plan:
+        """The solver prices drafts linearly, the target's profile is not linear (engine.speculative.step_cost):
+        so the profile is linearised around two totals of drafts (the last plan's, and double or half of it by
+        turns, so the total can move), each plan is re-priced by the profile itself, and the better one holds."""
+        per_forward = tuple(self.cost.drafters[name].coefficients()[0] for name in self.drafters)
+        host_a, _ = self.cost.host.coefficients()
+        n, context, target = len(seqs), sum(s.num_tokens for s in seqs) / 1000.0, self.cost.target
+        guess = self._drafts or max(2, n * self.k_max // 2)
+        self._turn = not self._turn
+        best: Plan | None = None
+        for around in (guess, guess * 2 if self._turn else max(1, guess // 2)):
+            plain, jump, per_token = target.linearize(n, context, around)
+            priced = [replace(b, per_draft=b.per_draft + per_token) for b in blocks]
+            plan = solve(n, plain, priced, per_forward, self.k_max, 0.0, step_fixed + host_a + jump)
+            drafts = sum(k for _, k in plan.choices)
+            if drafts:
+                exact = plan.seconds - jump - per_token * drafts + target.extra(n, context, drafts)
+                plan = replace(plan, seconds=exact)
+            if best is None or plan.tokens / plan.seconds > best.tokens / best.seconds:
+                best = plan
+        assert best is not None
+        if best.speedup <= 1.0 + self.margin:
+            return plain_plan(n, best.plain_seconds)
+        self._drafts = sum(k for _, k in best.choices)
+        return best

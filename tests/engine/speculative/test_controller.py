@@ -1,0 +1,95 @@
+"""The goodput controller over synthetic step costs: where it switches speculation off, what a catch-up costs
+it, and that a plain plan asks no lookup."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from engine.speculative.controller import GoodputController
+from engine.types.draft_state import SourceTrack
+from engine.types.sampling_params import SamplingParams
+from engine.types.sequence import Sequence
+
+
+def controller(per_token: float, alpha: float = 0.7, k_max: int = 4) -> GoodputController:
+    """A target step of 10 ms + ``per_token`` s per token fed, a draft forward of 1 ms + 50 us per token, host
+    work 50 us per sequence; the draft model's drafts held at ``alpha``."""
+    c = GoodputController(k_max, ["draft_model"], ["ngram"])
+    sizes = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513)
+    c.cost.target.set_profile([(n, 0.0, 0.010 + per_token * n) for n in sizes])
+    for fit, a, b in ((c.cost.drafters["draft_model"], 1e-3, 5e-5), (c.cost.host, 0.0, 5e-5),
+                      (c.cost.lookup, 0.0, 5e-5)):
+        for n in (1, 8):
+            fit.observe(n, a + b * n)
+    acc, track, rng = c.acceptance["draft_model"], SourceTrack(), random.Random(0)
+    for _ in range(400):  # each draft held with probability alpha; well known: no exploration bonus to speak of
+        accepted = 0
+        while accepted < k_max and rng.random() < alpha:
+            accepted += 1
+        acc.observe(track, k_max, accepted)
+    return c
+
+
+def batch(n: int) -> list[Sequence]:
+    return [Sequence(str(i), list(range(64)), SamplingParams(max_tokens=64, temperature=0.0), arrival_time=0.0,
+                     num_computed=63) for i in range(n)]
+
+
+def switch_off(c: GoodputController) -> int | None:
+    """The smallest batch the controller plans plain for."""
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        seqs = batch(n)
+        for s in seqs:
+            s.draft.track("ngram").proposes = 0.0  # no lookup ever proposes: the draft model alone
+        if not c.before_lookups(seqs, np.ones(n, dtype=bool), {"draft_model": np.zeros(n)}).speculates:
+            return n
+    return None
+
+
+def test_speculation_switches_off_where_a_draft_stops_paying_and_that_moves_with_the_step_cost():
+    cheap, dear = switch_off(controller(2e-5)), switch_off(controller(2e-4))
+    assert cheap is not None and dear is not None
+    assert dear < cheap, "a dearer token per step turns speculation off at a smaller batch"
+    assert switch_off(controller(2e-4, alpha=0.9)) > dear, "better acceptance keeps it on for longer"
+
+
+def test_a_long_catch_up_is_priced_into_the_plan():
+    c = controller(2e-5)
+    seqs = batch(1)
+    seqs[0].draft.track("ngram").proposes = 0.0
+    on = np.ones(1, dtype=bool)
+    assert c.before_lookups(seqs, on, {"draft_model": np.zeros(1)}).speculates
+    assert not c.before_lookups(seqs, on, {"draft_model": np.array([5000])}).speculates, (
+        "5000 tokens of catch-up (0.25 s of draft forward) outweigh a few drafts"
+    )
+
+
+def test_a_plain_plan_asks_no_lookup_until_a_probe_is_due():
+    c = controller(1e-2)  # every token is dear: nothing pays
+    c.probe_interval = 4
+    seqs = batch(8)
+    plans = [c.before_lookups(seqs, np.ones(8, dtype=bool), {"draft_model": np.zeros(8)}) for _ in range(8)]
+    assert not any(p.speculates for p in plans)
+    assert [c.wants_lookups(p) for p in plans] == [False, False, False, True] * 2
+
+
+def test_the_plan_beats_the_plain_step_by_the_margin_or_is_plain():
+    c = controller(2e-5)
+    seqs = batch(4)
+    on, lags = np.ones(4, dtype=bool), {"draft_model": np.zeros(4)}
+    plan = c.before_lookups(seqs, on, lags)
+    assert plan.speculates and plan.speedup > 1.02
+    c.margin = plan.speedup  # now the same plan is not good enough
+    assert not c.before_lookups(seqs, on, lags).speculates
+
+
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_every_planned_sequence_gets_at_most_k_max_drafts_from_a_source_it_has(n):
+    c = controller(2e-5)
+    seqs = batch(n)
+    plan = c.before_lookups(seqs, np.ones(n, dtype=bool), {"draft_model": np.zeros(n)})
+    assert len(plan.choices) == n
+    assert all((src is None and k == 0) or (src in ("draft_model", "ngram") and 1 <= k <= 4) for src, k in plan.choices)

@@ -1,0 +1,108 @@
+"""The step-cost model: the online linear fits, the target's profile and its online corrections."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.speculative.step_cost import LinearCost, StepCostModel, TargetCost
+
+
+def test_linear_cost_recovers_intercept_and_slope_from_noiseless_data():
+    cost = LinearCost()
+    for _ in range(3):
+        for n in (1, 2, 4, 8, 16, 32):
+            cost.observe(n, 0.012 + 0.0005 * n)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.012, rel=1e-6)
+    assert b == pytest.approx(0.0005, rel=1e-6)
+    assert cost(10) == pytest.approx(0.017, rel=1e-6)
+
+
+def test_linear_cost_without_spread_in_tokens_is_the_mean():
+    cost = LinearCost()
+    for t in (1.0, 2.0, 3.0):
+        cost.observe(4, t)
+    a, b = cost.coefficients()
+    assert b == 0.0
+    assert a == pytest.approx(sum(0.98 ** (2 - i) * t for i, t in enumerate((1.0, 2.0, 3.0))) / (1 + 0.98 + 0.98**2))
+
+
+def test_linear_cost_clamps_a_negative_slope_to_zero():
+    cost = LinearCost()
+    for n in (1, 2, 3, 4):
+        cost.observe(n, 1.0 - 0.1 * n)
+    a, b = cost.coefficients()
+    assert b == 0.0 and a >= 0.0
+
+
+def test_linear_cost_forgets_an_old_regime():
+    cost = LinearCost(decay=0.9)
+    for n in (1, 2, 4, 8) * 5:
+        cost.observe(n, 1.0 + 1.0 * n)
+    for n in (1, 2, 4, 8) * 100:
+        cost.observe(n, 0.5 + 0.1 * n)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.5, rel=1e-3) and b == pytest.approx(0.1, rel=1e-3)
+
+
+def profile(n, context):
+    """A CPU-like forward: 2 and 3 tokens dearer than 5 (other matmul kernels), then linear."""
+    bump = {2: 0.003, 3: 0.004}.get(n, 0.0)
+    return 0.008 + bump + (0.0003 * n if n > 1 else 0.0) + 0.0005 * context
+
+
+PROFILE = [(n, n * 0.02, profile(n, n * 0.02)) for n in (1, 2, 3, 5, 9, 18, 36)]
+PROFILE += [(n, n * 0.26, profile(n, n * 0.26)) for n in (1, 9)]
+
+
+def test_the_profile_is_priced_exactly_at_its_sizes_and_between_them_linearly():
+    cost = TargetCost()
+    cost.set_profile(PROFILE)
+    assert cost.w == pytest.approx(0.0005)
+    for n, context, seconds in PROFILE:
+        assert cost(n, context) == pytest.approx(seconds)
+    assert cost(4, 0.0) == pytest.approx((profile(3, 0) + profile(5, 0)) / 2)
+    assert cost(72, 0.0) == pytest.approx(profile(72, 0)), "past the largest size, along the last segment"
+    assert cost.per_token(np.array([2000.0]))[0] == pytest.approx(0.001), "one more token at 2k context"
+
+
+def test_the_secant_prices_half_and_all_of_the_drafts_exactly_and_extra_prices_any():
+    cost = TargetCost()
+    cost.set_profile(PROFILE)
+    plain, jump, per_token = cost.linearize(1, 0.0, 8)
+    assert plain == pytest.approx(profile(1, 0))
+    assert plain + jump + 4 * per_token == pytest.approx(profile(5, 0)), "four drafts"
+    assert plain + jump + 8 * per_token == pytest.approx(profile(9, 0)), "eight drafts"
+    assert cost.extra(1, 0.0, 1) == pytest.approx(profile(2, 0) - profile(1, 0)), "the bump at two tokens"
+    assert cost.extra(1, 0.0, 0) == 0.0
+
+
+def test_the_profile_follows_a_faster_forward_at_sizes_the_steps_do_not_feed():
+    """Eager first, then the compiled forward lands (every size twice as fast); the steps feed 32 tokens only,
+    and the verify sizes (40 and more) follow anyway, by the one scale."""
+    cost = TargetCost()
+    cost.set_profile(PROFILE)
+    for _ in range(300):
+        cost.observe(36, 0.0, 0.5 * profile(36, 0.0))
+    assert cost(36, 0.0) == pytest.approx(0.5 * profile(36, 0.0), rel=0.01)
+    assert cost(18, 0.0) == pytest.approx(0.5 * profile(18, 0.0), rel=0.05)
+
+
+def test_a_size_with_its_own_error_learns_it_without_moving_the_others():
+    cost = TargetCost()
+    cost.set_profile(PROFILE)
+    for _ in range(300):
+        cost.observe(36, 0.0, profile(36, 0.0))
+        cost.observe(2, 0.0, 0.5 * profile(2, 0.0))  # the profile overrated 2 tokens
+    assert cost(2, 0.0) == pytest.approx(0.5 * profile(2, 0.0), rel=0.02)
+    assert cost(36, 0.0) == pytest.approx(profile(36, 0.0), rel=0.05)
+
+
+def test_parameters_name_every_term():
+    model = StepCostModel(["draft_model"])
+    assert set(model.parameters()) == {
+        "target_1_tokens", "target_2_tokens", "target_per_token_per_1k_context",
+        "draft_model_per_forward", "draft_model_per_token", "lookup_per_step", "lookup_per_sequence", "host_per_step",
+        "host_per_sequence",
+    }
