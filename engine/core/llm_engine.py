@@ -214,6 +214,7 @@ class LLMEngine:
                             self.block_manager.usage, t2 - t1 + absorb_seconds, t3 - t2, time.perf_counter() - t0,
                             grammar_seconds, compiles)
         if self.drafting is not None:
+            self.drafting.observe_step(step.step_seconds)
             decision = self.drafting.decision
             step = replace(step, num_draft_forwards=self.drafting.num_forwards, speculation=decision.mode,
                            predicted_speedup=decision.predicted_speedup)

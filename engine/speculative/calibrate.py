@@ -54,7 +54,7 @@ def calibrate(controller: GoodputController, target: ModelRunner, drafters: dict
             continue
         for n in (1, verify):
             controller.cost.drafters[name].observe(n, _best_of(runner, ForwardBatch([[0] * n], [1], [blocks], [n])))
-    for fit in (controller.cost.lookup, controller.cost.host):
+    for fit in (controller.cost.lookup, controller.cost.host, controller.cost.host_plain):
         fit.observe(1, HOST_PRIOR_SECONDS)
         fit.observe(8, 8 * HOST_PRIOR_SECONDS)
     logger.info("goodput controller: step cost model at start-up %s",

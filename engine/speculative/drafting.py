@@ -56,7 +56,8 @@ class Drafting:
         self.controller = controller
         self.num_forwards = 0  # the drafters' forwards in the last observed step
         self.decision = Decision(mode="")  # the controller's, for the step planned last
-        self._lookup_seconds = self._propose_seconds = 0.0
+        self._lookup_seconds = 0.0
+        self._pending: tuple[int, int, float] | None = None  # (sequences speculating, scheduled, timed seconds)
 
     @property
     def lookup(self) -> DraftSource | None:
@@ -160,12 +161,6 @@ class Drafting:
         return self.drafters[0], k
 
     def propose(self, scheduled: list[ScheduledSeq], vocab: int) -> Drafts:
-        t0 = time.perf_counter()
-        drafts = self._propose(scheduled, vocab)
-        self._propose_seconds = time.perf_counter() - t0
-        return drafts
-
-    def _propose(self, scheduled: list[ScheduledSeq], vocab: int) -> Drafts:
         tokens: list[list[int]] = [[] for _ in scheduled]
         asked: dict[str, tuple[list[DraftRequest], list[int]]] = {s.name: ([], []) for s in self.drafters}
         for i, s in enumerate(scheduled):
@@ -212,6 +207,20 @@ class Drafting:
             if isinstance(drafter, EagleSource):
                 drafter.absorb(scheduled, starts, [s.num_new_tokens + len(d) for s, d in zip(scheduled, drafts)])
 
+    def observe_step(self, step_seconds: float) -> None:
+        """The whole step's time: what it spent outside the target, the drafters' forwards and the lookups is host
+        work (planning, bookkeeping, verification's and the scheduler's per-token work). A plain step's teaches
+        the controller what that costs anyway; a speculative step's, what speculating adds to it."""
+        c, pending, self._pending = self.controller, self._pending, None
+        if c is None or pending is None:
+            return
+        speculating, num_seqs, timed = pending
+        other = max(0.0, step_seconds - timed - self._lookup_seconds)
+        if speculating:
+            c.cost.host.observe(speculating, max(0.0, other - c.cost.host_plain(num_seqs)))
+        else:
+            c.cost.host_plain.observe(num_seqs, other)
+
     def observe(self, scheduled: list[ScheduledSeq], verdicts: list[Verdict | None], drafts: list[list[int]],
                 starts: list[int], target_seconds: float) -> None:
         """Costs of this step's parts, and each sequence's outcome, into the goodput controller. ``starts``:
@@ -229,10 +238,8 @@ class Drafting:
         fed = [s.num_new_tokens + len(d) for s, d in zip(scheduled, drafts)]
         context = sum(n * (start + n) for n, start in zip(fed, starts)) / 1000.0
         c.cost.target.observe(sum(fed), context, target_seconds)
-        speculating = sum(1 for d in drafts if d)
-        if speculating:
-            # The rest of a speculative step's host work: proposing, less the drafters' own forwards.
-            c.cost.host.observe(speculating, max(0.0, self._propose_seconds - forward_seconds))
+        # The rest of the step is known once it ends (observe_step): kept until then.
+        self._pending = (sum(1 for d in drafts if d), len(scheduled), target_seconds + forward_seconds)
         for s, v in zip(scheduled, verdicts):
             d = s.seq.draft
             if v is None or v.error is not None:

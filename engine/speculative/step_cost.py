@@ -128,14 +128,16 @@ class TargetCost:
 
 class StepCostModel:
     """What a step's parts cost: the target (forward and verification), one forward of each model drafter
-    (a + b * tokens fed), asking the lookups (by sequences asked), and a speculative step's other host work
-    (planning, proposing, the drafters' bookkeeping; by sequences that speculate)."""
+    (a + b * tokens fed), asking the lookups (by sequences asked), and what else a speculative step spends on the
+    host beyond a plain step's (proposing, bookkeeping, verifying and appending more tokens; by sequences that
+    speculate)."""
 
     def __init__(self, drafters: Iterable[str]) -> None:
         self.target = TargetCost()
         self.drafters = {name: LinearCost() for name in drafters}
         self.lookup = LinearCost()
         self.host = LinearCost()
+        self.host_plain = LinearCost()  # a plain step's host work by sequences: what ``host`` is measured above
 
     def parameters(self) -> dict[str, float]:
         """The model's current terms in seconds, by name (for /metrics)."""

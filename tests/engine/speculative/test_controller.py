@@ -93,3 +93,29 @@ def test_every_planned_sequence_gets_at_most_k_max_drafts_from_a_source_it_has(n
     plan = c.before_lookups(seqs, np.ones(n, dtype=bool), {"draft_model": np.zeros(n)})
     assert len(plan.choices) == n
     assert all((src is None and k == 0) or (src in ("draft_model", "ngram") and 1 <= k <= 4) for src, k in plan.choices)
+
+
+def test_the_host_work_of_plain_and_speculative_steps_is_measured_apart(model_sets):
+    from engine import LLM, SamplingParams
+    from tests.engine.lossless import flip_plain_and_speculative
+
+    ms = model_sets["llama"]
+    llm = LLM(model=str(ms.target), draft_model=str(ms.draft), dtype="float32", device="cpu")
+    modes = flip_plain_and_speculative(llm.engine)  # a fresh cost model every step: read it after the last one
+    seen: dict[str, list[str]] = {"plain": [], "speculate": []}
+    observe_step = llm.engine.drafting.observe_step
+
+    def spy(step_seconds):  # noqa: ANN001, ANN202
+        cost = llm.engine.controller.cost
+        before = cost.host._w, cost.host_plain._w
+        observe_step(step_seconds)
+        moved = "host" if cost.host._w != before[0] else "host_plain" if cost.host_plain._w != before[1] else "-"
+        mode = llm.engine.drafting.decision.mode
+        if mode:
+            seen["speculate" if mode == "speculate" else "plain"].append(moved)
+
+    llm.engine.drafting.observe_step = spy
+    llm.generate([[5, 6, 7, 8, 9, 5, 6, 7], [11, 12, 13]], SamplingParams(max_tokens=16, temperature=0.0))
+    assert modes.get("speculate", 0) and modes.get("plain", 0) + modes.get("probe", 0)
+    assert seen["plain"] and set(seen["plain"]) == {"host_plain"}, seen
+    assert seen["speculate"] and set(seen["speculate"]) <= {"host", "host_plain"} and "host" in seen["speculate"], seen
