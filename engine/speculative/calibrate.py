@@ -33,27 +33,30 @@ def calibrate(controller: GoodputController, target: ModelRunner, drafters: dict
     """Writes into blocks nobody owns yet; their contents are garbage-by-design. ``drafters``: the runner
     behind each model drafter's forwards, by source name; ``max_tokens``: the most a step feeds."""
     k_max = controller.k_max
-    # The sizes of the steps being priced: a decode, small and full verifies of one sequence, and batches' worth of
-    # tokens; each after a short cached context (a one-token context is a shape no step has, so a compiled runner
-    # would time it eagerly), the decode and the full verify after a longer one too (what context adds).
+    # The layouts of the steps being priced: one sequence decoding or verifying 1, 2, k_max / 2 or k_max drafts,
+    # and 2 to 16 sequences each verifying k_max (the layouts a compiled runner warmed up, so a compiled runner is
+    # timed compiled); each after a short cached context, the decode and the full verify after a longer one too
+    # (what context adds).
     verify = k_max + 1
-    sizes = sorted({1, 2, 3, k_max // 2 + 1, verify, *(verify * m for m in (2, 4, 8, 16))})
     room = num_blocks * block_size  # a tiny cache (a test's) still gets a profile, of the sizes it holds
     short, long = block_size, min(16 * block_size, 256, room // 4)
-    max_tokens = max(2, min(max_tokens, room // 2 - long))
-    sizes = [n for n in sizes if n <= max_tokens]
-    runs = [(n, short) for n in sizes] + [(n, long) for n in (1, verify) if n <= max_tokens]
-    blocks = list(range(-(-(max(start + n for n, start in runs)) // block_size)))
+    per_seq = -(-(short + verify) // block_size)
+    runs = [(1, n, short) for n in sorted({1, 2, 3, k_max // 2 + 1, verify})]
+    runs += [(b, verify, short) for b in (2, 4, 8, 16) if b * verify <= max_tokens and b * per_seq <= num_blocks]
+    runs += [(1, n, long) for n in (1, verify) if -(-(long + n) // block_size) <= num_blocks]
     points = []
-    for n, start in runs:
-        seconds = _best_of(target, ForwardBatch([[0] * n], [start], [blocks], [n]))
-        points.append((n, n * (start + n) / 1000.0, seconds))
+    for b, n, start in runs:
+        per = -(-(start + n) // block_size)
+        tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
+        batch = ForwardBatch([[0] * n] * b, [start] * b, tables, [n] * b)
+        points.append((b * n, b * n * (start + n) / 1000.0, _best_of(target, batch)))
     controller.cost.target.set_profile(points)
     for name, runner in drafters.items():
         if runner is None:
             continue
         for n in (1, verify):
-            controller.cost.drafters[name].observe(n, _best_of(runner, ForwardBatch([[0] * n], [1], [blocks], [n])))
+            table = list(range(-(-(short + n) // block_size)))
+            controller.cost.drafters[name].observe(n, _best_of(runner, ForwardBatch([[0] * n], [short], [table], [n])))
     for fit in (controller.cost.lookup, controller.cost.host, controller.cost.host_plain):
         fit.observe(1, HOST_PRIOR_SECONDS)
         fit.observe(8, 8 * HOST_PRIOR_SECONDS)
