@@ -63,8 +63,8 @@ The never-lose matrix: the server's default against no speculation on every prom
 concurrent, 5 interleaved rounds; the same-text column checks every output against specd none's
 (hours on 2 cores; run it on a quiet machine):
 
-    python benchmarks/compare.py --systems "specd adaptive default" "specd none" \
-        --sets code code_newline edit agentic extraction quoting prose random \
+    python benchmarks/compare.py --systems "specd adaptive default" "specd none compiled" \
+        --baseline "specd none compiled" --sets code code_newline edit agentic extraction quoting prose random \
         --concurrency 1 8 32 64 --rounds 5 --out benchmarks/results/never_lose.json
 """
 
@@ -113,7 +113,11 @@ def main() -> None:
                     help="measure a run again, once the machine is quiet, when other processes took more than this "
                          "share of its CPU time meanwhile (default 0.1; 1 to never)")
     ap.add_argument("--attempts", type=int, default=3, help="most measurements of one run (default 3)")
+    ap.add_argument("--baseline", default=report.BASELINE, choices=[report.BASELINE, "specd none compiled"],
+                    help="the system every ratio and same-text check is taken against (default: specd none, eager; "
+                         "specd none compiled to compare compiled with compiled)")
     args = ap.parse_args()
+    report.BASELINE = args.baseline  # read by the report's functions when they run
 
     chosen = choose_systems(args, ap)
     if not any(s.name == report.BASELINE for s in chosen):
