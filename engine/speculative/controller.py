@@ -42,7 +42,7 @@ class Decision:
 
 class GoodputController:
     def __init__(self, k_max: int, drafters: list[str], lookups: list[str], margin: float = 0.02,
-                 probe_interval: int = 16) -> None:
+                 probe_interval: int = 16, replan_interval: int = 8) -> None:
         self.k_max = k_max
         self.drafters = drafters  # the sources that run a forward per draft position, in order
         self.lookups = lookups
@@ -52,7 +52,9 @@ class GoodputController:
         # The plan must beat the plain step by this much: the model's own error should not turn into a loss.
         self.margin = margin
         self.probe_interval = probe_interval
+        self.replan_interval = replan_interval
         self._since_asked = 0
+        self._planned_for, self._since_planned = -1, 0  # the batch the last plan was for, and steps since
         self._per_token = np.zeros(0)  # [S]: one more token's attention to each sequence's context, this step
         self._drafts = 0  # drafts the last speculating plan fed: where the target's cost is linearised next
         self._turn = False
@@ -70,6 +72,19 @@ class GoodputController:
             scale = np.array([t.proposes for t in tracks])
             blocks.append(self._block(name, tracks, caps, scale, look_b))
         return self._solve(seqs, blocks, look_a if self.lookups else 0.0)
+
+    def still_plain(self, num_seqs: int) -> bool:
+        """Whether the last plain decision stands for this step without planning again: the same number of
+        sequences, planned fewer than ``replan_interval`` steps ago, no probe due. Planning costs host time of its
+        own, which a plain step would otherwise pay every step (a compiled decode step of a small model is a few
+        milliseconds: a plan is a tenth of one)."""
+        if (self.decision.mode == SPECULATE or num_seqs != self._planned_for
+                or self._since_planned + 1 >= self.replan_interval or self._since_asked + 1 >= self.probe_interval):
+            return False
+        self._since_planned += 1
+        self._since_asked += 1
+        self.decision = Decision(PLAIN, 1.0, 0)
+        return True
 
     def wants_lookups(self, plan: Plan) -> bool:
         """Whether to ask the lookups this step: the first plan speculates (asking is cheap beside a speculative
@@ -95,6 +110,7 @@ class GoodputController:
     def decide(self, plan: Plan, probed: bool) -> None:
         mode = SPECULATE if plan.speculates else (PROBE if probed else PLAIN)
         self.decision = Decision(mode, plan.speedup, sum(k for _, k in plan.choices))
+        self._planned_for, self._since_planned = len(plan.choices), 0
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("goodput: %s, %d drafts over %d sequences, predicted %.3fx, plain step %.3f ms", mode,
                          self.decision.planned_drafts, len(plan.choices), plan.speedup, 1e3 * plan.plain_seconds)

@@ -113,6 +113,8 @@ class Drafting:
         """The goodput controller's plan for the sequences on the adaptive path (engine.speculative.controller)."""
         c = self.controller
         assert c is not None
+        if c.still_plain(len(seqs)):
+            return
         on = np.array(adaptive)
         lags = {s.name: np.array([s.lag(seq) if a else 0 for seq, a in zip(seqs, adaptive)]) for s in self.drafters}
         plan = c.before_lookups(seqs, on, lags)
@@ -237,7 +239,7 @@ class Drafting:
             return
         fed = [s.num_new_tokens + len(d) for s, d in zip(scheduled, drafts)]
         context = sum(n * (start + n) for n, start in zip(fed, starts)) / 1000.0
-        c.cost.target.observe(sum(fed), context, target_seconds)
+        c.cost.target.observe(sum(fed), context, target_seconds, max(fed, default=0) > 1)
         # The rest of the step is known once it ends (observe_step): kept until then.
         self._pending = (sum(1 for d in drafts if d), len(scheduled), target_seconds + forward_seconds)
         for s, v in zip(scheduled, verdicts):
@@ -290,5 +292,5 @@ def make_drafting(config: EngineConfig, target: ModelRunner, draft: ModelRunner 
     if config.num_speculative_tokens is None:
         controller = GoodputController(config.k_max, [s.name for s, _ in drafters], [s.name for s in lookups])
         calibrate(controller, target, {s.name: r for s, r in drafters}, config.block_size,
-                  config.max_num_batched_tokens, target.cache.num_blocks)
+                  config.max_num_batched_tokens, target.cache.num_blocks, config.max_num_seqs)
     return Drafting(config, [source for source, _ in drafters], lookups, controller)

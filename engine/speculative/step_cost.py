@@ -42,87 +42,103 @@ class LinearCost:
         return a + b * n
 
 
-class TargetCost:
-    """The target's forward plus verification, by tokens fed M and context:
+class _Curve:
+    """One layout's profile: seconds by tokens fed M, piecewise linear between profiled sizes (and past the largest
+    along the last segment), plus w per token-thousand of context; ``fix``: each profiled size's own correction."""
 
-        seconds(M, context) = scale * (r(M) * base(M) + w * context)
-
-    ``base``: the start-up profile, one-sequence forwards of a few sizes, piecewise linear between them (and past
-    the largest along the last segment): a forward's cost is far from linear in M at small sizes (on a CPU, 2 or 3
-    tokens can cost more than 5: other matmul kernels), so no line through it prices a draft right. ``context``:
-    the sum over the fed tokens of their sequence's length in thousands (each fed token attends to its whole
-    context), w from the profile's two context lengths. Corrected online, from every step: ``scale``, one factor
-    for the whole profile, follows the forward in use (eager, then compiled) wherever the steps fall, so sizes
-    the batch has not fed lately move with it; r, one factor per profiled size (the observations nearest it),
-    learns each size's own error."""
-
-    def __init__(self, scale_rate: float = 0.05, size_rate: float = 0.2) -> None:
-        self.scale_rate = scale_rate
-        self.size_rate = size_rate
-        self.sizes = np.array([1.0, 2.0])
-        self.base = np.array([1e-3, 1e-3])
-        self.fix = np.ones(2)  # r at each profiled size
-        self.w = 0.0
-        self.scale = 1.0
-
-    def set_profile(self, points: Iterable[tuple[float, float, float]]) -> None:
-        """(tokens, context, seconds) of profiled one-sequence forwards, each size at one or more contexts."""
+    def __init__(self, points: list[tuple[float, float, float]]) -> None:
         pts = sorted(points)
         pairs = [(s2 - s1, c2 - c1, s2, c2) for (n1, c1, s1), (n2, c2, s2) in zip(pts, pts[1:]) if n1 == n2 and c2 > c1]
         # At most half of the longer forward: on a small model the difference is mostly timing noise.
         self.w = float(np.mean([min(max(0.0, ds / dc), 0.5 * s / c) for ds, dc, s, c in pairs])) if pairs else 0.0
         sizes = sorted({n for n, _, _ in pts})
         self.sizes = np.array(sizes, dtype=float)
-        self.base = np.array([np.mean([s - self.w * c for n, c, s in pts if n == m]) for m in sizes])
-        self.base = np.maximum(self.base, 1e-6)
-        self.fix, self.scale = np.ones(len(sizes)), 1.0
+        self.base = np.maximum([np.mean([s - self.w * c for n, c, s in pts if n == m]) for m in sizes], 1e-6)
+        self.fix = np.ones(len(sizes))
 
-    def _interp(self, values: np.ndarray, tokens: float) -> float:
+    def interp(self, values: np.ndarray, tokens: float) -> float:
         x = self.sizes
         if len(x) == 1:
             return float(values[0])
-        if tokens > x[-1]:  # past the profile: along its last segment
+        if tokens > x[-1]:
             slope = (values[-1] - values[-2]) / (x[-1] - x[-2])
             return float(values[-1] + max(0.0, slope) * (tokens - x[-1]))
         return float(np.interp(tokens, x, values))
 
-    def __call__(self, tokens: float, context: float = 0.0) -> float:
-        return self.scale * (self._interp(self.fix * self.base, tokens) + self.w * context)
+    def nearest(self, tokens: float) -> int:
+        return int(np.argmin(np.abs(np.log(self.sizes) - np.log(max(tokens, 1.0)))))
 
-    def observe(self, tokens: float, context: float, seconds: float) -> None:
+
+class TargetCost:
+    """The target's forward plus verification, by tokens fed M, context and layout:
+
+        seconds(M, context, layout) = scale * (r(M) * base(M) + w * context)
+
+    with one curve per layout: the decode (every sequence fed one token: its own kernels, its own compiled graph
+    or CUDA graph) and the general one a verify or a prompt chunk takes. A plain step is priced on the first; a
+    speculative one on the second, and the gap between them is what leaving the decode layout costs. ``base``:
+    the start-up profile of each, piecewise linear between profiled sizes: a forward's cost is far from linear
+    in M at small sizes (on a CPU, 2 or 3 tokens can cost more than 5: other matmul kernels), so no line through
+    it prices a draft right. ``context``: the sum over the fed tokens of their sequence's length in thousands
+    (each fed token attends to its whole context). Corrected online, from every step: ``scale``, one factor for
+    both curves, follows the forward in use (eager, then compiled) wherever the steps fall, so sizes and a layout
+    the batch has not fed lately move with it; r, per profiled size of each curve, learns that size's own error
+    from the steps of its layout."""
+
+    def __init__(self, scale_rate: float = 0.05, size_rate: float = 0.2) -> None:
+        self.scale_rate = scale_rate
+        self.size_rate = size_rate
+        self.curves = {False: _Curve([(1.0, 0.0, 1e-3), (2.0, 0.0, 1e-3)]),
+                       True: _Curve([(1.0, 0.0, 1e-3), (2.0, 0.0, 1e-3)])}
+        self.scale = 1.0
+
+    def set_profile(self, points: Iterable[tuple[float, ...]]) -> None:
+        """(tokens, context, seconds[, verify]) of profiled forwards, each size at one or more contexts; points
+        without the layout flag profile both layouts."""
+        pts = list(points)
+        for verify in (False, True):
+            mine = [p[:3] for p in pts if len(p) < 4 or bool(p[3]) == verify]
+            self.curves[verify] = _Curve(mine or [p[:3] for p in pts])
+        self.scale = 1.0
+
+    def __call__(self, tokens: float, context: float = 0.0, verify: bool = False) -> float:
+        c = self.curves[verify]
+        return self.scale * (c.interp(c.fix * c.base, tokens) + c.w * context)
+
+    def observe(self, tokens: float, context: float, seconds: float, verify: bool = False) -> None:
         if seconds <= 0.0:
             return
-        shape = self._interp(self.base, tokens) + self.w * context
+        c = self.curves[verify]
+        shape = c.interp(c.base, tokens) + c.w * context
         self.scale *= (seconds / (self.scale * shape)) ** self.scale_rate
-        i = int(np.argmin(np.abs(np.log(self.sizes) - np.log(max(tokens, 1.0)))))  # the nearest profiled size
-        predicted = self(tokens, context)
-        self.fix[i] *= (seconds / predicted) ** self.size_rate
+        c.fix[c.nearest(tokens)] *= (seconds / self(tokens, context, verify)) ** self.size_rate
 
     def per_token(self, length: np.ndarray) -> np.ndarray:
         """What one more token's attention to a context of ``length`` tokens adds (the rest of a token's cost
         depends on the step's size: ``linearize``)."""
-        return self.scale * self.w * length / 1000.0
+        return self.scale * self.curves[True].w * length / 1000.0
 
     def linearize(self, tokens: float, context: float, more: float) -> tuple[float, float, float]:
-        """The plain step of ``tokens`` tokens, and the secant of the profile through ``more`` // 2 and ``more``
-        tokens more, as (plain seconds, jump, per token): feeding d more tokens costs about jump + d * per token,
-        exactly so at those two (the profile has bumps: at small sizes on a CPU, 2 or 3 tokens can cost more than
-        5, so no one line prices every d right; the caller re-prices its plan exactly, ``extra``)."""
+        """The plain step of ``tokens`` tokens, and the secant from it to the verify layout at ``more`` // 2 and
+        ``more`` tokens more, as (plain seconds, jump, per token): feeding d more tokens costs about jump + d * per
+        token, exactly so at those two (the caller re-prices its plan exactly, ``extra``)."""
         t0 = self(tokens, context)
         d1, d2 = max(1.0, more // 2), max(2.0, more)
         if d2 <= d1:
             d2 = d1 + 1
-        c1, c2 = self(tokens + d1, context) - t0, self(tokens + d2, context) - t0
+        c1, c2 = self(tokens + d1, context, True) - t0, self(tokens + d2, context, True) - t0
         per_token = max(0.0, (c2 - c1) / (d2 - d1))
         return t0, max(0.0, c1 - per_token * d1), per_token
 
     def extra(self, tokens: float, context: float, more: float) -> float:
-        """What feeding ``more`` tokens more adds to the step, by the profile itself."""
-        return self(tokens + more, context) - self(tokens, context) if more > 0 else 0.0
+        """What feeding ``more`` tokens more (the verify layout) adds to the plain step, by the profile itself."""
+        return self(tokens + more, context, True) - self(tokens, context) if more > 0 else 0.0
 
     def terms(self) -> dict[str, float]:
-        out = {f"target_{int(n)}_tokens": self(n) for n in self.sizes}
-        out["target_per_token_per_1k_context"] = self.scale * self.w
+        out = {}
+        for verify, name in ((False, "decode"), (True, "verify")):
+            out |= {f"target_{name}_{int(n)}_tokens": self(n, 0.0, verify) for n in self.curves[verify].sizes}
+        out["target_per_token_per_1k_context"] = self.scale * self.curves[True].w
         return out
 
 

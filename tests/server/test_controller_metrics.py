@@ -33,9 +33,9 @@ def test_the_cost_model_and_the_choices_are_in_metrics(make_server, model_sets):
     live = make_server(engine=engine, draft_model=str(model_sets["llama"].draft))
     first = Scrape.of(live)
     terms = first.by("specd:spec_controller_cost_seconds", "term")
-    assert {"target_1_tokens", "target_per_token_per_1k_context", "draft_model_per_forward",
-            "host_per_sequence"} <= set(terms)
-    assert terms["target_1_tokens"] > 0, "profiled at start-up"
+    assert {"target_decode_1_tokens", "target_verify_2_tokens", "target_per_token_per_1k_context",
+            "draft_model_per_forward", "host_per_sequence"} <= set(terms)
+    assert terms["target_decode_1_tokens"] > 0, "profiled at start-up"
     assert first.by("specd:spec_controller_steps_total", "decision") == dict.fromkeys(
         ("plain", "probe", "speculate"), 0.0)
     send(live)

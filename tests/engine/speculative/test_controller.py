@@ -76,6 +76,29 @@ def test_a_plain_plan_asks_no_lookup_until_a_probe_is_due():
     assert [c.wants_lookups(p) for p in plans] == [False, False, False, True] * 2
 
 
+def test_a_plain_decision_stands_a_few_steps_for_the_same_batch_without_planning_again():
+    c = controller(1e-2)  # nothing pays
+    seqs, on, lags = batch(8), np.ones(8, dtype=bool), {"draft_model": np.zeros(8)}
+
+    def step(n=8):  # noqa: ANN001, ANN202
+        if c.still_plain(n):
+            return "kept"
+        plan = c.before_lookups(seqs[:n], on[:n], {"draft_model": lags["draft_model"][:n]})
+        c.decide(plan, c.wants_lookups(plan))
+        return "planned"
+
+    assert [step() for _ in range(9)] == ["planned"] + ["kept"] * 7 + ["planned"], "a plan every 8 steps"
+    assert step(7) == "planned", "another batch size: planned again"
+    c.decide(plan_that_speculates(c), False)
+    assert step() == "planned", "a speculating decision is never kept"
+
+
+def plan_that_speculates(c: GoodputController):  # noqa: ANN201
+    from engine.speculative.goodput import Plan
+
+    return Plan((("draft_model", 2),) * 8, 10.0, 1.0, 1.0)
+
+
 def test_the_plan_beats_the_plain_step_by_the_margin_or_is_plain():
     c = controller(2e-5)
     seqs = batch(4)

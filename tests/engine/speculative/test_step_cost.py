@@ -59,7 +59,7 @@ PROFILE += [(n, n * 0.26, profile(n, n * 0.26)) for n in (1, 9)]
 def test_the_profile_is_priced_exactly_at_its_sizes_and_between_them_linearly():
     cost = TargetCost()
     cost.set_profile(PROFILE)
-    assert cost.w == pytest.approx(0.0005)
+    assert cost.curves[True].w == pytest.approx(0.0005)
     for n, context, seconds in PROFILE:
         assert cost(n, context) == pytest.approx(seconds)
     assert cost(4, 0.0) == pytest.approx((profile(3, 0) + profile(5, 0)) / 2)
@@ -102,7 +102,26 @@ def test_a_size_with_its_own_error_learns_it_without_moving_the_others():
 def test_parameters_name_every_term():
     model = StepCostModel(["draft_model"])
     assert set(model.parameters()) == {
-        "target_1_tokens", "target_2_tokens", "target_per_token_per_1k_context",
+        "target_decode_1_tokens", "target_decode_2_tokens", "target_verify_1_tokens", "target_verify_2_tokens",
+        "target_per_token_per_1k_context",
         "draft_model_per_forward", "draft_model_per_token", "lookup_per_step", "lookup_per_sequence", "host_per_step",
         "host_per_sequence",
     }
+
+
+def test_a_plain_step_is_priced_on_the_decode_layout_and_drafts_on_the_verify_one():
+    """A compiled decode graph at 32 sequences is far cheaper than a verify layout of as many tokens: the gap is
+    what speculating pays first, and each layout learns from its own steps."""
+    cost = TargetCost()
+    cost.set_profile([(n, 0.0, 0.004 + 1e-4 * n, False) for n in (1, 8, 32, 64)]
+                     + [(n, 0.0, 0.009 + 1e-4 * n, True) for n in (2, 9, 36, 72)])
+    assert cost(32, 0.0) == pytest.approx(0.0072)
+    assert cost.extra(32, 0.0, 8) == pytest.approx(0.009 + 40e-4 - 0.0072), "the verify layout's jump and tokens"
+    plain, jump, per_token = cost.linearize(32, 0.0, 8)
+    assert plain == pytest.approx(0.0072) and jump + 8 * per_token == pytest.approx(cost.extra(32, 0.0, 8))
+    for _ in range(300):
+        cost.observe(32, 0.0, 0.0072)  # the decode as profiled
+        cost.observe(40, 0.0, 2 * (0.009 + 40e-4), verify=True)  # verify steps twice as dear as profiled
+    assert cost(32, 0.0) == pytest.approx(0.0072, rel=0.05)
+    assert cost(40, 0.0, verify=True) == pytest.approx(2 * (0.009 + 40e-4), rel=0.05)
+
