@@ -11,6 +11,8 @@ the source's position-j rate over its overall rate.
 
 from __future__ import annotations
 
+import numpy as np
+
 from engine.types.draft_state import AcceptanceEstimate, SourceTrack
 
 
@@ -49,15 +51,12 @@ class SourceAcceptance:
         """The sequence's alpha as planned with: its estimate, plus the source's exploration bonus."""
         return self.alpha(track) + self.explore / (1.0 + self.global_alpha.trials) ** 0.5
 
-    def gains(self, track: SourceTrack, cap: int, scale: float = 1.0) -> tuple[float, ...]:
-        """g_1 .. g_cap: the probability that the first j drafts all hold (times ``scale``, e.g. the chance a
-        lookup proposes anything at all)."""
-        level = self.level(track)
-        out, p = [], scale
-        for rho in self.position_rates()[: min(cap, self.k_max)]:
-            p *= min(1.0, level * rho)
-            out.append(p)
-        return tuple(out)
+    def gains(self, tracks: list[SourceTrack], scale: np.ndarray | float = 1.0) -> np.ndarray:
+        """[S, k_max]: for each sequence, g_j = scale * prod_{p<=j} min(1, level * rho_p), the probability that
+        its first j drafts all hold (``scale``: e.g. the chance a lookup proposes anything at all)."""
+        level = np.array([self.level(t) for t in tracks])  # [S]
+        rho = np.array(self.position_rates())  # [K]
+        return np.cumprod(np.minimum(1.0, level[:, None] * rho[None, :]), axis=1) * np.reshape(scale, (-1, 1))
 
     def observe(self, track: SourceTrack, k: int, accepted: int) -> None:
         """``k`` drafts verified, their first ``accepted`` accepted."""

@@ -118,16 +118,12 @@ class GoodputController:
     def _block(self, name: str, tracks: list[SourceTrack], caps: np.ndarray, scale: np.ndarray | float = 1.0,
                extra_fixed: float = 0.0, extra_per_draft: float = 0.0, drafter: int | None = None,
                catch_up: np.ndarray | float = 0.0) -> Block:
-        """``name``'s options: gains g_j = scale * prod_{p<=j} min(1, level_seq rho_p) (SourceAcceptance.gains for a
-        whole batch),
-        priced at the target's per-token cost (plus ``extra_per_draft``) and the host's per-sequence cost."""
-        acc = self.acceptance[name]
-        alpha = np.array([acc.level(t) for t in tracks])  # [S]
-        rho = np.array(acc.position_rates())  # [K]
-        gains = np.cumprod(np.minimum(1.0, alpha[:, None] * rho[None, :]), axis=1) * np.reshape(scale, (-1, 1))
+        """``name``'s options for the step's sequences: its gains, priced at the target's per-token cost (plus
+        ``extra_per_draft``) and the host's per-sequence cost (plus ``extra_fixed`` and a catch-up)."""
+        gains = self.acceptance[name].gains(tracks, scale)  # [S, K]
         host = self.cost.host.coefficients()[1]
         per_draft = self._per_token + extra_per_draft
-        fixed = np.broadcast_to(host + extra_fixed + np.asarray(catch_up, dtype=float), alpha.shape)  # [S]
+        fixed = np.broadcast_to(host + extra_fixed + np.asarray(catch_up, dtype=float), (len(tracks),))  # [S]
         return Block(name, gains, caps, per_draft, fixed, drafter)
 
     def _drafter_blocks(self, seqs: list[Sequence], adaptive: np.ndarray, lags: dict[str, np.ndarray]) -> list[Block]:

@@ -57,18 +57,18 @@ def test_gains_are_geometric_in_the_sequences_own_alpha_while_positions_agree():
     fresh = SourceTrack()
     alpha = acc.alpha(fresh)
     assert alpha == pytest.approx(acc.global_alpha.value(prior=0.5))
-    g = acc.gains(fresh, 4)
+    g = list(acc.gains([fresh])[0])
     assert len(g) == 4 and all(a >= b for a, b in zip(g, g[1:])), "non-increasing"
     assert g[1] > 0.8 and g[2] < 0.1, "the first two drafts nearly always hold, the third nearly never"
 
 
-def test_gains_are_capped_and_scaled():
+def test_gains_have_one_row_per_sequence_and_scale():
     acc = SourceAcceptance(k_max=8)
     track = SourceTrack()
     for _ in range(20):
         acc.observe(track, 3, 3)
-    assert len(acc.gains(track, 2)) == 2 and len(acc.gains(track, 20)) == 8
-    assert acc.gains(track, 3, scale=0.5) == pytest.approx(tuple(0.5 * x for x in acc.gains(track, 3)))
+    assert acc.gains([track, track]).shape == (2, 8)
+    assert acc.gains([track], scale=0.5)[0] == pytest.approx(0.5 * acc.gains([track])[0])
 
 
 def test_a_sequence_with_a_better_record_gets_larger_gains():
@@ -77,7 +77,7 @@ def test_a_sequence_with_a_better_record_gets_larger_gains():
     for _ in range(10):
         acc.observe(good, 4, 4)
         acc.observe(bad, 4, 0)
-    assert all(a > b for a, b in zip(acc.gains(good, 4), acc.gains(bad, 4)))
+    assert (acc.gains([good])[0] > acc.gains([bad])[0]).all()
     assert acc.alpha(good) > acc.alpha(SourceTrack()) > acc.alpha(bad), "a fresh track starts at the source's rate"
 
 
