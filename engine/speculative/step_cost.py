@@ -42,15 +42,24 @@ class LinearCost:
         return a + b * n
 
 
+def context_slope(points: list[tuple[float, float, float]]) -> float:
+    """Seconds per token-thousand of context, from the pair of forwards of one size that differ the most in
+    context (the wider apart, the less a timing's noise weighs), at most half of the longer forward's time."""
+    pts = sorted(points)
+    pairs = [(s2 - s1, c2 - c1, s2, c2) for (n1, c1, s1), (n2, c2, s2) in zip(pts, pts[1:]) if n1 == n2 and c2 > c1]
+    if not pairs:
+        return 0.0
+    ds, dc, s, c = max(pairs, key=lambda p: p[1])
+    return min(max(0.0, ds / dc), 0.5 * s / c)
+
+
 class _Curve:
     """One layout's profile: seconds by tokens fed M, piecewise linear between profiled sizes (and past the largest
     along the last segment), plus w per token-thousand of context; ``fix``: each profiled size's own correction."""
 
-    def __init__(self, points: list[tuple[float, float, float]]) -> None:
+    def __init__(self, points: list[tuple[float, float, float]], w: float | None = None) -> None:
         pts = sorted(points)
-        pairs = [(s2 - s1, c2 - c1, s2, c2) for (n1, c1, s1), (n2, c2, s2) in zip(pts, pts[1:]) if n1 == n2 and c2 > c1]
-        # At most half of the longer forward: on a small model the difference is mostly timing noise.
-        self.w = float(np.mean([min(max(0.0, ds / dc), 0.5 * s / c) for ds, dc, s, c in pairs])) if pairs else 0.0
+        self.w = context_slope(pts) if w is None else w
         sizes = sorted({n for n, _, _ in pts})
         self.sizes = np.array(sizes, dtype=float)
         self.base = np.maximum([np.mean([s - self.w * c for n, c, s in pts if n == m]) for m in sizes], 1e-6)
@@ -96,9 +105,10 @@ class TargetCost:
         """(tokens, context, seconds[, verify]) of profiled forwards, each size at one or more contexts; points
         without the layout flag profile both layouts."""
         pts = list(points)
+        w = context_slope([p[:3] for p in pts])  # one attention cost per token of context, for both layouts
         for verify in (False, True):
             mine = [p[:3] for p in pts if len(p) < 4 or bool(p[3]) == verify]
-            self.curves[verify] = _Curve(mine or [p[:3] for p in pts])
+            self.curves[verify] = _Curve(mine or [p[:3] for p in pts], w)
         self.scale = 1.0
 
     def __call__(self, tokens: float, context: float = 0.0, verify: bool = False) -> float:

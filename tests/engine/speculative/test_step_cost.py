@@ -125,3 +125,15 @@ def test_a_plain_step_is_priced_on_the_decode_layout_and_drafts_on_the_verify_on
     assert cost(32, 0.0) == pytest.approx(0.0072, rel=0.05)
     assert cost(40, 0.0, verify=True) == pytest.approx(2 * (0.009 + 40e-4), rel=0.05)
 
+
+
+def test_a_noisy_short_pair_does_not_set_the_context_cost():
+    """One decode token at two contexts differs by timing noise alone; the widest pair (a full verify at both)
+    sets the cost of context, so a 64-sequence decode is not priced at nothing."""
+    points = [(b, b * 0.017, 0.004 + 5e-5 * b, False) for b in (1, 2, 4, 8, 16, 32, 64)]
+    points += [(1, 0.257, 0.005, False)]  # +1 ms of noise over a context 0.24 k-tokens longer
+    points += [(9, 9 * 0.025, 0.006, True), (9, 9 * 0.265, 0.0062, True)]
+    cost = TargetCost()
+    cost.set_profile(points)
+    assert cost.curves[False].w == pytest.approx(0.0002 / (9 * 0.24))
+    assert cost(64, 64 * 0.017) == pytest.approx(0.004 + 5e-5 * 64, rel=0.01)
