@@ -2,7 +2,7 @@
 
 This module and ``engine.llm`` are the engine's public face: server/ and recipe/ import from here only (an
 import-linter contract in pyproject.toml holds them to it). Below it the subpackages, each importing only
-those listed after it: core, speculative, sample | worker, models | sched | structured | layers, types."""
+those listed after it: core, speculative, sample | worker, models | sched | structured | layers, types | native."""
 
 from engine.core.audit import AuditResult
 from engine.core.llm_engine import LLMEngine, check_text

@@ -198,7 +198,7 @@ class Metrics:
     def declare_suffix_cache(self, nodes: Callable[[], int]) -> None:
         """``specd:suffix_cache_nodes``, read from the engine at each scrape."""
         Gauge("specd:suffix_cache_nodes", "Nodes of suffix decoding's index over recent outputs (its memory: about "
-              "30 bytes a node).", ["model_name"], registry=self.registry).labels(self.model_name).set_function(nodes)
+              "65 bytes a node).", ["model_name"], registry=self.registry).labels(self.model_name).set_function(nodes)
 
     def declare_methods(self, methods: Iterable[str]) -> None:
         """Series at zero, from the first scrape, for the draft sources the engine was built with (before it

@@ -17,17 +17,12 @@ caller keeps the gather path, which computes the same attention.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+from engine.native.build import library
 
 logger = logging.getLogger(__name__)
 
@@ -37,61 +32,16 @@ SOURCE = Path(__file__).with_name("kernels") / "paged_attention.c"
 # given to the compile step only: linked with -ffast-math, gcc adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process when the library loads (subnormal floats become 0 everywhere; hypothesis,
 # in the fuzz tests, caught it).
-COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK = ["-shared", "-fopenmp"]
 
 _LIB: list[ctypes.CDLL | None] = []  # [] before the first build; [None] once it failed
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("SPECD_CACHE", Path.home() / ".cache" / "specd")) / "kernels"
-
-
-def _cpu_key() -> str:
-    """-march=native builds for this CPU: the library's name carries the CPU's model and flags, so a cache shared
-    by machines of different CPUs never loads another's build (an illegal instruction)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = []
-    return "\n".join([platform.machine(), *lines])
-
-
 def _build() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        logger.info("no C compiler: CPU attention gathers keys into a copy per layer (slower at large batches)")
+    handle = library(SOURCE, COMPILE, LINK, "the CPU attention kernel (without it: a copy of the keys per layer)")
+    if handle is None:
         return None
-    source = SOURCE.read_bytes()
-    flags = " ".join(COMPILE + LINK).encode()
-    key = hashlib.sha256(b"\0".join([source, flags, compiler.encode(), _cpu_key().encode()]))
-    try:
-        directory = _cache_dir()
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        directory = Path(tempfile.gettempdir()) / "specd-kernels"
-        directory.mkdir(parents=True, exist_ok=True)
-    lib = directory / f"paged_attention-{key.hexdigest()[:16]}.so"
-    if not lib.exists():
-        # Built under a temporary name and renamed: processes starting together (test workers) never load a
-        # half-written library.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-        os.close(fd)
-        obj = tmp[: -len(".so")] + ".o"
-        t0 = time.perf_counter()
-        result = subprocess.run([compiler, *COMPILE, str(SOURCE), "-o", obj], capture_output=True, text=True)
-        if result.returncode == 0:
-            result = subprocess.run([compiler, *LINK, obj, "-o", tmp, "-lm"], capture_output=True, text=True)
-        Path(obj).unlink(missing_ok=True)
-        if result.returncode != 0:
-            os.unlink(tmp)
-            logger.warning("building the CPU attention kernel failed (%s); keeping the gather path:\n%s",
-                           compiler, result.stderr[-2000:])
-            return None
-        os.replace(tmp, lib)
-        logger.info("built the CPU attention kernel in %.1fs: %s", time.perf_counter() - t0, lib)
-    handle = ctypes.CDLL(str(lib))
     fn = handle.specd_paged_attention
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]

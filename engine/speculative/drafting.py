@@ -71,7 +71,7 @@ class Drafting:
                 source.release(seq)
 
     def suffix_cache_nodes(self) -> int:
-        """Nodes of suffix decoding's global index (0 without it): its memory, at about 30 bytes a node."""
+        """Nodes of suffix decoding's global index (0 without it): its memory, at about 65 bytes a node."""
         return sum(s.cache.num_nodes for s in self.lookups if isinstance(s, SuffixSource))
 
     def source(self, name: str) -> DraftSource | None:

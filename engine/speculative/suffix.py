@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections import deque
 
 from engine.speculative.source import DraftRequest, Proposal
-from engine.speculative.suffix_index import Stream, SuffixIndex
+from engine.speculative.suffix_index import Stream
+from engine.speculative.suffix_native import NativeStream, TokenIndex, new_index
 from engine.types.sequence import Sequence
 
 DEPTH = 24  # longest path kept: ArcticInference's and vLLM's default
@@ -26,18 +27,18 @@ class GlobalSuffixCache:
     """The index over recent requests' outputs. Running requests' streams are in it too (a running request
     helps its neighbours); ``max_requests`` bounds the ended ones kept."""
 
-    def __init__(self, max_requests: int, depth: int = DEPTH) -> None:
-        self.index = SuffixIndex(depth)
+    def __init__(self, max_requests: int, depth: int = DEPTH, native: bool | None = None) -> None:
+        self.index: TokenIndex = new_index(depth, native)
         self.max_requests = max_requests
-        self.live: set[Stream] = set()
-        self.ended: deque[Stream] = deque()
+        self.live: set[Stream | NativeStream] = set()
+        self.ended: deque[Stream | NativeStream] = deque()
 
-    def open(self) -> Stream:
-        stream = Stream()
+    def open(self) -> Stream | NativeStream:
+        stream = self.index.stream()
         self.live.add(stream)
         return stream
 
-    def close(self, stream: Stream) -> None:
+    def close(self, stream: Stream | NativeStream) -> None:
         """An ended request's output stays, as an output seen, until ``max_requests`` newer ones have ended."""
         self.live.discard(stream)
         self.ended.append(stream)
@@ -54,26 +55,29 @@ class RequestSuffix:
 
     __slots__ = ("index", "own", "shared", "start")
 
-    def __init__(self, cache: GlobalSuffixCache, depth: int, start: int) -> None:
-        self.index = SuffixIndex(depth)
-        self.own = Stream()  # prompt and output
-        self.shared: Stream | None = cache.open()  # the output, in the global index; None once released
+    def __init__(self, cache: GlobalSuffixCache, depth: int, start: int, native: bool | None) -> None:
+        self.index = new_index(depth, native)
+        self.own = self.index.stream()  # prompt and output
+        self.shared: Stream | NativeStream | None = cache.open()  # the output, in the global index; None once released
         self.start = start  # where the output begins
 
     @property
     def synced(self) -> int:
-        return len(self.own.tokens)
+        return len(self.own)
 
 
 class SuffixSource:
     """One-hot proposals, like prompt lookup: the verifier's exact handling of them applies unchanged. Of
     the request's own draft and the global one, the one with the higher score (the sum of its running
-    probabilities) is proposed. ``min_match``: shorter matches propose nothing."""
+    probabilities) is proposed. ``min_match``: shorter matches propose nothing. ``native``: False keeps the
+    Python tries even where the C ones build (engine.speculative.suffix_native; benchmarks compare the two)."""
 
     name = "suffix"
 
-    def __init__(self, max_requests: int, max_draft: int, min_match: int = 1, depth: int = DEPTH) -> None:
-        self.cache = GlobalSuffixCache(max_requests, depth)
+    def __init__(self, max_requests: int, max_draft: int, min_match: int = 1, depth: int = DEPTH,
+                 native: bool | None = None) -> None:
+        self.native = native
+        self.cache = GlobalSuffixCache(max_requests, depth, native)
         self.max_draft = max_draft
         self.min_match = min_match
         self.depth = depth
@@ -112,7 +116,7 @@ class SuffixSource:
         global one."""
         state = seq.draft.suffix
         if not isinstance(state, RequestSuffix):
-            state = RequestSuffix(self.cache, self.depth, seq.num_prompt_tokens)
+            state = RequestSuffix(self.cache, self.depth, seq.num_prompt_tokens, self.native)
             seq.draft.suffix = state
         done = state.synced
         if upto > done:

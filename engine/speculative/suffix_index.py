@@ -27,6 +27,9 @@ class Stream:
         self.tokens: list[int] = []  # inserted so far (removal walks them again)
         self.active: list[int] = []  # nodes of the inserted tokens' suffixes of lengths 1 .. depth - 1
 
+    def __len__(self) -> int:
+        return len(self.tokens)
+
 
 class SuffixIndex:
     def __init__(self, depth: int = 24) -> None:
@@ -41,6 +44,9 @@ class SuffixIndex:
         self.num_nodes = 0  # root excluded
 
     # ---- growing and shrinking -------------------------------------------------------------------
+
+    def stream(self) -> Stream:
+        return Stream()
 
     def _new(self, token: int) -> int:
         self.num_nodes += 1
@@ -160,6 +166,11 @@ class SuffixIndex:
             if node == NONE:
                 return NONE
         return node
+
+    def occurrences(self, path: list[int]) -> int:
+        """Occurrences of ``path`` counted (0 if never seen)."""
+        node = self.walk(path)
+        return self.count[node] if node != NONE else 0
 
     def match(self, context: list[int]) -> tuple[int, int]:
         """The node of the longest suffix of ``context`` (at most depth - 1 tokens) that the index has seen

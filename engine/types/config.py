@@ -50,8 +50,9 @@ class EngineConfig:
     ngram_max: int = 4  # n-gram lookup tries n = ngram_max .. ngram_min
     ngram_min: int = 1
     # Suffix decoding's global index keeps the outputs of this many recently ended requests. 1000, not vLLM's 10,000:
-    # this host's memory. A never-repeating output token adds ~23 nodes of ~31 bytes (benchmarks/suffix_cost.py), so
-    # 1000 outputs of 256 such tokens hold ~180 MB; outputs that repeat one another share nodes.
+    # this host's memory. A never-repeating output token adds ~23 nodes of ~65 bytes in the C trie (31 in the Python
+    # fallback; benchmarks/suffix_cost.py), so 1000 outputs of 256 such tokens hold ~380 MB; outputs that repeat one
+    # another share nodes.
     suffix_cache_requests: int = 1000
     suffix_max_draft: int = 24  # the longest suffix draft (also at most k and the match length)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16

@@ -8,10 +8,11 @@ from engine import LLM, SamplingParams
 from engine.speculative.source import DraftRequest
 from engine.speculative.suffix import GlobalSuffixCache, SuffixSource
 from engine.speculative.suffix_index import Stream
+from engine.speculative.suffix_native import NativeStream, native_available
 from engine.types.sampling_params import SamplingParams as Params
 from engine.types.sequence import Sequence
 from tests.engine.lossless import MAX_NEW, Reference, assert_same_as_target
-from tests.engine.speculative.test_suffix_index import contents, index_of, substring_counts
+from tests.engine.speculative.test_suffix_index import holds, substring_counts
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
 
@@ -69,8 +70,8 @@ def test_the_global_index_keeps_the_latest_ended_requests_only():
         cache.index.extend(stream, out)
         cache.close(stream)
     assert not cache.live and len(cache.ended) == 2
-    assert contents(cache.index) == substring_counts(outputs[2:], 6) == contents(index_of(*outputs[2:], depth=6))
-    assert cache.num_nodes == len(contents(cache.index))
+    assert holds(cache.index, substring_counts(outputs[2:], 6))
+    assert cache.num_nodes == len(substring_counts(outputs[2:], 6))
 
 
 def test_release_inserts_the_rest_of_the_output_once_and_forgets_the_request():
@@ -81,7 +82,7 @@ def test_release_inserts_the_rest_of_the_output_once_and_forgets_the_request():
     source.release(a)
     source.release(a)  # twice (an abort racing a finish): nothing more
     assert not source.cache.live
-    assert contents(source.cache.index) == substring_counts([[3, 4, 5, 6]], 24)
+    assert holds(source.cache.index, substring_counts([[3, 4, 5, 6]], 24))
     assert seq("b", [9]).draft.suffix is None and source.propose([DraftRequest(seq("c", [3]), 3)]).tokens == [[4]]
 
 
@@ -95,9 +96,9 @@ def test_a_request_whose_token_list_was_preempted_and_recomputed_is_not_inserted
     a.token_ids.append(6)
     source.propose([DraftRequest(a, 2)])
     source.release(a)
-    assert contents(source.cache.index) == substring_counts([[4, 5, 6]], 24)
+    assert holds(source.cache.index, substring_counts([[4, 5, 6]], 24))
     assert a.draft.suffix is not None and a.draft.suffix.synced == 6
-    assert contents(a.draft.suffix.index) == substring_counts([[1, 2, 3, 4, 5, 6]], 24)
+    assert holds(a.draft.suffix.index, substring_counts([[1, 2, 3, 4, 5, 6]], 24))
 
 
 # ---- the engine ----------------------------------------------------------------------------------------------
@@ -147,7 +148,7 @@ def test_an_aborted_request_leaves_the_indexes_consistent(model_sets):
         engine.step()
     assert not source.cache.live
     outputs = [s.tokens for s in source.cache.ended]
-    assert contents(source.cache.index) == substring_counts(outputs, 24)
+    assert holds(source.cache.index, substring_counts(outputs, 24))
 
 
 def test_preempted_requests_stay_lossless_and_are_indexed_once(model_sets, tokenizer_dir):
@@ -172,11 +173,11 @@ def test_preempted_requests_stay_lossless_and_are_indexed_once(model_sets, token
     for i, p in enumerate(prompts):
         assert_same_as_target(ref, p, outs[str(i)], f"preempted request {i}")
     assert not source.cache.live
-    assert contents(source.cache.index) == substring_counts(list(outs.values()), 24)
+    assert holds(source.cache.index, substring_counts(list(outs.values()), 24))
     assert llm.stats().by_source["suffix"].num_accepted_tokens > 0
 
 
 def test_the_index_stream_type_is_what_the_draft_state_holds():
     s = seq("a", [1, 2, 1])
     SuffixSource(max_requests=1, max_draft=4).propose([DraftRequest(s, 2)])
-    assert isinstance(s.draft.suffix.own, Stream)  # type: ignore[union-attr]
+    assert isinstance(s.draft.suffix.own, NativeStream if native_available() else Stream)  # type: ignore[union-attr]

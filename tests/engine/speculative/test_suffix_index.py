@@ -7,6 +7,7 @@ import random
 import pytest
 
 from engine.speculative.suffix_index import NONE, ROOT, Stream, SuffixIndex
+from engine.speculative.suffix_native import TokenIndex
 
 
 def index_of(*streams: list[int], depth: int = 24) -> SuffixIndex:
@@ -36,6 +37,12 @@ def contents(index: SuffixIndex) -> dict[tuple[int, ...], int]:
     visit(ROOT, ())
     assert len(out) == index.num_nodes
     return out
+
+
+def holds(index: TokenIndex, expected: dict[tuple[int, ...], int]) -> bool:
+    """Whether ``index`` holds exactly ``expected``'s paths and counts (through the interface both tries have:
+    every expected path's count, and no node more than them)."""
+    return index.num_nodes == len(expected) and all(index.occurrences(list(p)) == n for p, n in expected.items())
 
 
 def substring_counts(streams: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:

@@ -1,0 +1,5 @@
+"""C libraries of our own, built with the machine's compiler on first use and cached (``build.library``): the
+CPU attention kernel (engine.layers) and the suffix trie (engine.speculative). Each caller keeps a Python or
+torch path for a machine without a compiler.
+
+Imports nothing of the engine."""
