@@ -39,6 +39,18 @@ LLAMACPP_DRAFT = ("--spec-type", "draft-simple", "--spec-draft-n-max", "3", "--s
                   "--spec-draft-p-min", "0.0")
 
 
+def alone(draft: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, flags) of each speculative method by itself; eagle with the head beside the draft (the embedded
+    pair's models/default/eagle), self with the target's own exit head."""
+    out = [("draft", ("--draft-model", draft, "--speculative-method", "draft_model")),
+           ("ngram", ("--speculative-method", "ngram")), ("suffix", ("--speculative-method", "suffix")),
+           ("self", ("--speculative-method", "self"))]
+    head = Path(draft).parent / "eagle"
+    if head.is_dir():
+        out.append(("eagle", ("--draft-model", str(head), "--speculative-method", "eagle")))
+    return out
+
+
 def systems(target: str, draft: str, device: str) -> list[System]:
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     specd = ("-m", "server", "serve", "--model", target, "--dtype", dtype, "--device", device, "--max-num-seqs", "64")
@@ -59,6 +71,10 @@ def systems(target: str, draft: str, device: str) -> list[System]:
         System("specd none", "server", (*specd, "--speculative-method", "none", *eager)),
         System("specd none compiled", "server", (*specd, "--speculative-method", "none", "--compile"), default=False),
         System("specd ngram", "server", (*specd, "--speculative-method", "ngram", *eager), speculative=True),
+        # Each source alone under the goodput controller, compiled: beside "specd none compiled", what each
+        # brings by itself (the default combines them per sequence and step).
+        *(System(f"specd {name} compiled", "server", (*specd, *how, "--compile"), speculative=True, default=False)
+          for name, how in alone(draft)),
         System("transformers serve", "server", ts),
         System("transformers serve --cb", "server", (*ts, "--continuous-batching")),
         System("generate assisted", "generate", (*gen, "--mode", "assisted", "--draft", draft)),

@@ -34,15 +34,17 @@ def calibrate(controller: GoodputController, target: ModelRunner, drafters: dict
     behind each model drafter's forwards, by source name; ``max_tokens``: the most a step feeds."""
     k_max = controller.k_max
     # The layouts of the steps being priced: one sequence decoding or verifying 1, 2, k_max / 2 or k_max drafts,
-    # 2 to 16 sequences each verifying k_max, 2 to 64 decoding (the layouts a compiled runner warmed up, so a
+    # 2 to 64 sequences each verifying k_max, 2 to 64 decoding (the layouts a compiled runner warmed up, so a
     # compiled runner is timed compiled); each after a short cached context, the decode and the full verify after
-    # a longer one too (what context adds).
+    # a longer one too (what context adds). The verifies reach the largest batch: a plan for 64 sequences priced
+    # past the profile's end would follow its last segment, and a forward's cost is not that straight.
     verify = k_max + 1
     room = num_blocks * block_size  # a tiny cache (a test's) still gets a profile, of the sizes it holds
     short, long = block_size, min(16 * block_size, 256, room // 4)
     per_seq = -(-(short + verify) // block_size)
     runs = [(1, n, short) for n in sorted({1, 2, 3, k_max // 2 + 1, verify})]
-    runs += [(b, verify, short) for b in (2, 4, 8, 16) if b * verify <= max_tokens and b * per_seq <= num_blocks]
+    runs += [(b, verify, short) for b in (2, 4, 8, 16, 32, 64)
+             if b <= max_seqs and b * verify <= max_tokens and b * per_seq <= num_blocks]
     runs += [(b, 1, short) for b in (2, 4, 8, 16, 32, 64) if b <= max_seqs and b * per_seq <= num_blocks]
     runs += [(1, n, long) for n in (1, verify) if -(-(long + n) // block_size) <= num_blocks]
     points = []

@@ -142,3 +142,25 @@ def test_the_host_work_of_plain_and_speculative_steps_is_measured_apart(model_se
     assert modes.get("speculate", 0) and modes.get("plain", 0) + modes.get("probe", 0)
     assert seen["plain"] and set(seen["plain"]) == {"host_plain"}, seen
     assert seen["speculate"] and set(seen["speculate"]) <= {"host", "host_plain"} and "host" in seen["speculate"], seen
+
+
+def test_probes_thin_out_where_asking_the_whole_batch_costs_more_than_their_budget():
+    c = controller(1e-2)  # nothing pays
+    c.probe_interval, c.probe_budget = 4, 0.01
+    seqs, on, lags = batch(8), np.ones(8, dtype=bool), {"draft_model": np.zeros(8)}
+
+    def probes(steps: int) -> list[int]:
+        out = []
+        for i in range(steps):
+            if c.wants_lookups(c.before_lookups(seqs, on, lags)):
+                out.append(i)
+        return out
+
+    assert probes(16) == [3, 7, 11, 15], "cheap asks: a probe every probe_interval steps"
+    plain = c.before_lookups(seqs, on, lags).plain_seconds
+    c.cost.lookup = type(c.cost.lookup)()
+    for n in (1, 8):  # asking 8 sequences now costs 40% of a plain step: 40 plain steps pay for one probe
+        c.cost.lookup.observe(n, 0.05 * plain * n)
+    c._since_asked = 0
+    gaps = np.diff(probes(200))
+    assert len(gaps) and all(g == 40 for g in gaps), gaps
