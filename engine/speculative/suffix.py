@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections import deque
 
 from engine.speculative.source import DraftRequest, Proposal
-from engine.speculative.suffix_index import Stream
-from engine.speculative.suffix_native import NativeStream, TokenIndex, new_index
+from engine.speculative.suffix_native import AnyStream, TokenIndex, new_index
 from engine.types.sequence import Sequence
 
 DEPTH = 24  # longest path kept: ArcticInference's and vLLM's default
@@ -30,15 +29,15 @@ class GlobalSuffixCache:
     def __init__(self, max_requests: int, depth: int = DEPTH, native: bool | None = None) -> None:
         self.index: TokenIndex = new_index(depth, native)
         self.max_requests = max_requests
-        self.live: set[Stream | NativeStream] = set()
-        self.ended: deque[Stream | NativeStream] = deque()
+        self.live: set[AnyStream] = set()
+        self.ended: deque[AnyStream] = deque()
 
-    def open(self) -> Stream | NativeStream:
+    def open(self) -> AnyStream:
         stream = self.index.stream()
         self.live.add(stream)
         return stream
 
-    def close(self, stream: Stream | NativeStream) -> None:
+    def close(self, stream: AnyStream) -> None:
         """An ended request's output stays, as an output seen, until ``max_requests`` newer ones have ended."""
         self.live.discard(stream)
         self.ended.append(stream)
@@ -58,7 +57,7 @@ class RequestSuffix:
     def __init__(self, cache: GlobalSuffixCache, depth: int, start: int, native: bool | None) -> None:
         self.index = new_index(depth, native)
         self.own = self.index.stream()  # prompt and output
-        self.shared: Stream | NativeStream | None = cache.open()  # the output, in the global index; None once released
+        self.shared: AnyStream | None = cache.open()  # the output, in the global index; None once released
         self.start = start  # where the output begins
 
     @property

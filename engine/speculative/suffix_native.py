@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 from array import array
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Union
 
 from engine.native.build import library
 from engine.speculative.suffix_index import NONE, Stream, SuffixIndex
@@ -23,11 +23,11 @@ class TokenIndex(Protocol):
     @property
     def num_nodes(self) -> int: ...
 
-    def stream(self) -> Stream | NativeStream: ...
+    def stream(self) -> AnyStream: ...
 
-    def extend(self, stream, tokens: list[int]) -> None: ...  # noqa: ANN001 (the index's own stream type)
+    def extend(self, stream: AnyStream, tokens: list[int]) -> None: ...  # a stream of this index's own
 
-    def remove(self, stream) -> None: ...  # noqa: ANN001
+    def remove(self, stream: AnyStream) -> None: ...
 
     def draft(self, context: list[int], limit: int, min_prob: float, factor: float = 1.0, offset: float = 0.0,
               min_match: int = 1) -> tuple[list[int], float]: ...
@@ -57,6 +57,9 @@ def _load() -> ctypes.CDLL | None:
 
 def native_available() -> bool:
     return _load() is not None
+
+
+AnyStream = Union[Stream, "NativeStream"]  # each index takes the streams it made
 
 
 def new_index(depth: int, native: bool | None = None) -> TokenIndex:
