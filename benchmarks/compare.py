@@ -28,9 +28,9 @@ Every system loads the same weights in the same dtype (float32 on CPU, bfloat16 
 process's default thread count (--threads for llama.cpp, whose own default is not that). Without a
 llama-server binary, or on a GPU, the llama.cpp systems are left out with a message.
 
-    python benchmarks/compare.py --sets code --concurrency 1 8 32 --rounds 2 \
-        --systems "specd adaptive default" "specd none" "llama.cpp spec" \
-        --out benchmarks/results/compare_llamacpp_default_two_rounds.json
+    python benchmarks/compare.py --sets code_newline --concurrency 1 8 32 --rounds 5 \
+        --systems "specd adaptive default" "specd none compiled" "llama.cpp spec" \
+        --baseline "specd none compiled" --out benchmarks/results/methods_alone.json
 
 Workload: greedy, 128 new tokens (or until EOS, the same for everyone since greedy output is
 the same), streamed completions; batch 1 (requests one after another) and concurrency 4, 16, 32

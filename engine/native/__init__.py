@@ -2,4 +2,4 @@
 CPU attention kernel (engine.layers) and the suffix trie (engine.speculative). Each caller keeps a Python or
 torch path for a machine without a compiler.
 
-Imports nothing of the engine."""
+May import nothing of the engine."""

@@ -238,10 +238,8 @@ class Drafting:
         if c is None:
             return
         if all(s.num_new_tokens == 1 for s in scheduled):
-            # Decode and verify steps only: a step that also feeds a prompt chunk (every other step under load, a
-            # new request's prompt joining the batch) is a long forward the plan never prices, whose size would
-            # pull the profile's largest sizes toward it (measured: a 2,048-token chunk made a 64-sequence verify
-            # look 30% cheaper than it was).
+            # Decode and verify steps only: a prompt chunk's forward (every other step under load) is one no plan
+            # prices, and it pulled the profile's largest sizes toward it (a 64-sequence verify looked 30% cheaper).
             fed = [1 + len(d) for d in drafts]
             context = sum(n * (start + n) for n, start in zip(fed, starts)) / 1000.0
             c.cost.target.observe(sum(fed), context, target_seconds, max(fed, default=0) > 1)

@@ -127,5 +127,8 @@ def test_a_small_comparison_runs_end_to_end_and_every_system_writes_the_same_tex
         assert x["failed"] == 0 and x["tokens_per_s"] > 0
         if x["system"] != "specd none":
             assert x["same_text_as_none"] == x["compared_texts"] > 0, f"{x['system']}: greedy text differs"
-    # The JSON and its two plots, named after it, and nothing else: compare.py never writes a doc.
-    assert {p.name for p in out.parent.iterdir()} == {"run.json", "run_throughput.png", "run_bound.png"}
+    # The JSON and its plots, named after it, and nothing else: compare.py never writes a doc. The bound's plot
+    # comes with a speculative system that drafted at batch 1 (whether the controller chose to in 8 tokens
+    # depends on the host's timings, so the test holds the plot to the data, not to a choice).
+    bound = ["run_bound.png"] if any(x.get("bound") for x in summary) else []
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted(["run.json", "run_throughput.png", *bound])
