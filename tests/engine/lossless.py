@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from engine.speculative.step_cost import StepCostModel
+from tests.device import NEAR_TIE
 from tests.tiny_models import EOS
 
-NEAR_TIE = 1e-4  # top-2 logit gap below which float rounding may legitimately flip the argmax
+__all__ = ["NEAR_TIE"]  # re-exported: the structured tests read it here
 MAX_NEW = 32
 
 
@@ -64,6 +67,14 @@ def assert_equal_unless_near_tie(
         f"{label}: diverged at output position {j} where the target's top-2 logit gap is {gap:.3g} "
         f"(not a near-tie)\n got  {got}\n want {want}"
     )
+    log_near_tie(label, j, gap)
+
+
+def log_near_tie(label: str, position: int, gap: float) -> None:
+    """Appends an excused divergence to the file ``SPECD_NEAR_TIE_LOG`` names: the GPU kit counts them."""
+    if path := os.environ.get("SPECD_NEAR_TIE_LOG"):
+        with open(path, "a") as f:
+            f.write(json.dumps({"label": label, "position": position, "gap": gap}) + "\n")
 
 
 def assert_same_as_target(ref: Reference, prompt: list[int], got: list[int], label: str) -> None:
@@ -100,6 +111,7 @@ def assert_same_sample_unless_near_tie(
     assert gap < NEAR_TIE, (
         f"{label}: diverged at output position {j}, not a near-tie ({gap:.3g})\n got  {got}\n want {want}"
     )
+    log_near_tie(label, j, gap)
 
 
 def reference_transform(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
