@@ -28,6 +28,7 @@ from transformers import AttentionInterface
 
 from engine.layers import cpu_attention
 from engine.layers.attention_metadata import AttentionMetadata, PaddedMetadata, PagedMask, ShortGroup
+from engine.layers.compile_limit import compile_with_limit
 from engine.layers.tracing import tracing
 
 ATTN_IMPL = "specd_paged"
@@ -47,7 +48,7 @@ def flex() -> Callable[..., torch.Tensor]:
     if not _FLEX:
         # One graph per batch bucket and per model's head layout (the draft's differs from the target's):
         # more than dynamo's default of 8 recompilations of one function.
-        _FLEX.append(torch.compile(flex_attention, dynamic=False, fullgraph=True, recompile_limit=64))
+        _FLEX.append(compile_with_limit(flex_attention, 64, dynamic=False, fullgraph=True))
     return _FLEX[0]
 
 

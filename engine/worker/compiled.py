@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from engine.layers import attention, small_linear
+from engine.layers.compile_limit import compile_with_limit
 from engine.layers.tracing import compiled_call
 from engine.types.config import CompileMode
 
@@ -69,9 +70,8 @@ class CompiledForward:
         self.entry = _own_entry(name)
         # dynamo counts recompilations per code object: one model's warm-up layouts pass the default limit of 8,
         # after which every new layout ran eagerly (with a warning) for the rest of the process. Given here, not
-        # in torch._dynamo.config: settings made there hold for the thread that made them, and a background
-        # warm-up compiles in another (it then ran layouts 10 to 16 eagerly).
-        compiled = torch.compile(self.entry, dynamic=True, options=options, recompile_limit=64)
+        # in torch._dynamo.config where this torch allows (compile_limit says why).
+        compiled = compile_with_limit(self.entry, 64, dynamic=True, options=options)
 
         def call(**inputs: Any) -> Any:
             with compiled_call():
