@@ -16,3 +16,11 @@ DTYPE = os.environ.get("SPECD_TEST_DTYPE", "bfloat16" if DEVICE.startswith("cuda
 # significant bits: on the tiny test models (logits within +-1.3) its logits differed from float32's by up to 0.006
 # (measured over 6 architectures, 320 positions each); 0.02 leaves three times that.
 NEAR_TIE = {"float32": 1e-4, "bfloat16": 0.02, "float16": 0.02}[DTYPE]
+
+_CUDA = DEVICE.startswith("cuda")
+# Engine arguments of a greedy test. On CUDA each engine captures a graph per bucket (about six a second), and the
+# buckets grow with max_num_seqs: the greedy tests batch at most 8 sequences.
+GREEDY_ENGINE = {"device": DEVICE, "dtype": DTYPE, **({"max_num_seqs": 8} if _CUDA else {})}
+# The sampled tests run 512 sequences at once to draw their samples: graphs for every batch bucket up to 512 would
+# take minutes to capture, and what they check is the acceptance rule, not the graphs (the greedy tests cover those).
+SAMPLED_ENGINE = {"device": DEVICE, **({"cuda_graphs": False} if _CUDA else {})}

@@ -84,10 +84,20 @@ def use_cuda_graphs(config: EngineConfig, target: ModelRunner) -> bool:
     return config.cuda_graphs
 
 
+# FlexAttention's CUDA kernel takes one cache block as its key tile, and Triton's matrix product needs 16 rows
+# or more there: smaller blocks failed to compile (seen on an H200, torch 2.11, blocks of 4).
+FLEX_MIN_CUDA_BLOCK = 16
+
+
 def use_paged_kernel(config: EngineConfig, target: ModelRunner) -> bool:
-    """FlexAttention through the block table for bucketed forwards: the config's choice, or on CUDA."""
+    """FlexAttention through the block table for bucketed forwards: the config's choice, or on CUDA where the
+    blocks are large enough for its kernel."""
+    small = target.device.type == "cuda" and config.block_size < FLEX_MIN_CUDA_BLOCK
     if config.paged_attention == "auto":
-        return target.device.type == "cuda"
+        return target.device.type == "cuda" and not small
+    if config.paged_attention == "flex" and small:
+        raise ValueError(f"paged_attention flex on CUDA needs block_size >= {FLEX_MIN_CUDA_BLOCK}, got "
+                         f"{config.block_size}: use a larger block_size, or paged_attention gather")
     return config.paged_attention == "flex"
 
 

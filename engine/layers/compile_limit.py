@@ -14,14 +14,11 @@ from typing import Any
 
 import torch
 
-
-@functools.cache
-def _takes_limit() -> bool:
-    return "recompile_limit" in inspect.signature(torch.compile).parameters
+TAKES_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
 
 
 def compile_with_limit(fn: Callable[..., Any], limit: int, **kwargs: Any) -> Callable[..., Any]:
-    if _takes_limit():
+    if TAKES_LIMIT:
         return torch.compile(fn, recompile_limit=limit, **kwargs)
     compiled = torch.compile(fn, **kwargs)
     config = torch._dynamo.config
@@ -29,6 +26,8 @@ def compile_with_limit(fn: Callable[..., Any], limit: int, **kwargs: Any) -> Cal
 
     @functools.wraps(fn)
     def call(*args: Any, **kw: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced into an enclosing compile, under that one's limit
+            return compiled(*args, **kw)
         with config.patch(**{name: max(limit, getattr(config, name))}):
             return compiled(*args, **kw)
 

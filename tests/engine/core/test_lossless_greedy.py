@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.device import DEVICE, DTYPE
+from tests.device import GREEDY_ENGINE
 from tests.engine.lossless import (
     MAX_NEW,
     Reference,
@@ -81,8 +81,7 @@ def test_greedy_speculation_equals_target_alone(arch, method, k, model_sets, eag
         draft_layers=sources.get("draft_layers"),
         speculative_method=method.split("+")[0],
         num_speculative_tokens=k,
-        dtype=DTYPE,
-        device=DEVICE,
+        **GREEDY_ENGINE,
         block_size=WARM_BLOCK,
     )
     mixes = alternate_drafters(llm) if method == "hybrid+self" else None
@@ -102,7 +101,7 @@ def test_greedy_across_the_plain_fast_path_and_back_equals_target_alone(method, 
     sources = METHODS[method]
     draft = eagle_heads["llama"] if sources.get("eagle") else ms.draft if sources.get("draft") else None
     llm = LLM(model=str(ms.target), draft_model=str(draft) if draft else None, draft_layers=sources.get("draft_layers"),
-              speculative_method=method, dtype=DTYPE, device=DEVICE, block_size=WARM_BLOCK)
+              speculative_method=method, **GREEDY_ENGINE, block_size=WARM_BLOCK)
     modes = flip_plain_and_speculative(llm.engine)
     run_batches(llm, references["llama"], prompts_for(tokenizer_dir), f"llama/{method}/flipping")
     assert modes.get("plain", 0) + modes.get("probe", 0) > 0 and modes.get("speculate", 0) > 0, modes
@@ -112,13 +111,13 @@ def test_greedy_across_the_plain_fast_path_and_back_equals_target_alone(method, 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_without_speculation_equals_target_alone(arch, model_sets, references, tokenizer_dir):
     ms = model_sets[arch]
-    llm = LLM(model=str(ms.target), speculative_method="none", dtype=DTYPE, device=DEVICE, block_size=WARM_BLOCK)
+    llm = LLM(model=str(ms.target), speculative_method="none", **GREEDY_ENGINE, block_size=WARM_BLOCK)
     run_batches(llm, references[arch], prompts_for(tokenizer_dir), f"{arch}/none")
 
 
 def test_unrelated_draft_with_adaptive_k_stays_lossless(model_sets, references, tokenizer_dir):
     ms = model_sets["llama"]
-    llm = LLM(model=str(ms.target), draft_model=str(ms.unrelated), dtype=DTYPE, device=DEVICE)
+    llm = LLM(model=str(ms.target), draft_model=str(ms.unrelated), **GREEDY_ENGINE)
     run_batches(llm, references["llama"], prompts_for(tokenizer_dir), "llama/unrelated")
 
 
@@ -132,8 +131,7 @@ def test_preemption_under_a_tiny_kv_cache_stays_lossless(method, model_sets, ref
         draft_layers=1 if method == "self" else None,
         speculative_method=method,
         num_speculative_tokens=4,
-        dtype=DTYPE,
-        device=DEVICE,
+        **GREEDY_ENGINE,
         max_model_len=64,
         block_size=4,
         num_kv_blocks=19,
@@ -161,6 +159,6 @@ def test_chunked_prefill_with_a_small_token_budget_stays_lossless(method, model_
     llm = LLM(
         model=str(ms.target), draft_model=str(ms.draft) if method == "draft_model" else None,
         draft_layers=1 if method == "self" else None, speculative_method=method, num_speculative_tokens=3,
-        dtype=DTYPE, device=DEVICE, max_num_batched_tokens=5,
+        **GREEDY_ENGINE, max_num_batched_tokens=5,
     )
     run_batches(llm, references["qwen2"], prompts_for(tokenizer_dir), "qwen2/chunked")

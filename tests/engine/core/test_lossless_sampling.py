@@ -20,7 +20,7 @@ from engine.speculative.source import Proposal
 
 # On a GPU (SPECD_TEST_DEVICE) these stay float32: the chi-square compares with the float32 law, which bfloat16's
 # rounded probabilities would fail at this many samples whatever the acceptance rule did.
-from tests.device import DEVICE
+from tests.device import SAMPLED_ENGINE
 from tests.engine.lossless import alternate_drafters, flip_plain_and_speculative, reference_transform
 
 V = 8
@@ -183,7 +183,7 @@ def test_sampled_tokens_follow_the_target_distribution(method, setting, seeded, 
         model=str(target.parent / "target-exit" if method == "self+exit" else target),
         draft_model=str(draft) if method.split("+")[0] not in ("ngram", "suffix", "self") else None,
         draft_layers=1 if "self" in method else None, speculative_method=method.split("+")[0],
-        num_speculative_tokens=3, dtype="float32", device=DEVICE, max_num_seqs=512, max_num_batched_tokens=4096,
+        num_speculative_tokens=3, dtype="float32", **SAMPLED_ENGINE, max_num_seqs=512, max_num_batched_tokens=4096,
         seed=1234,
     )
     mixed = record_mixed_batches(llm)
@@ -209,7 +209,7 @@ def test_sampled_tokens_across_the_plain_fast_path_follow_the_target_distributio
     """Adaptive k, the goodput controller turning speculation off and on every other step: the steps without
     any speculative work and the catch-ups after them keep the target's distribution."""
     target, draft = pair
-    llm = LLM(model=str(target), draft_model=str(draft), speculative_method=method, dtype="float32", device=DEVICE,
+    llm = LLM(model=str(target), draft_model=str(draft), speculative_method=method, dtype="float32", **SAMPLED_ENGINE,
               max_num_seqs=512, max_num_batched_tokens=4096, seed=4321)
     modes = flip_plain_and_speculative(llm.engine)
     counts = engine_samples(llm, False, temperature=1.0)
@@ -223,7 +223,7 @@ def test_sampled_tokens_across_the_plain_fast_path_follow_the_target_distributio
 def test_chi_square_detects_the_drafts_own_distribution(pair):
     """Power check: samples of the draft model alone must fail the same test against the target."""
     target, draft = pair
-    llm = LLM(model=str(draft), speculative_method="none", dtype="float32", device=DEVICE, max_num_seqs=512, seed=5)
+    llm = LLM(model=str(draft), speculative_method="none", dtype="float32", **SAMPLED_ENGINE, max_num_seqs=512, seed=5)
     counts = engine_samples(llm, temperature=1.0)
     assert chi_square_p(counts, exact_joint(draft, temperature=1.0)) > 1e-3  # the draft matches itself
     assert chi_square_p(counts, exact_joint(target, temperature=1.0)) < 1e-6  # and not the target

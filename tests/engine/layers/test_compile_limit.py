@@ -8,7 +8,7 @@ from engine.layers import compile_limit
 
 
 def test_without_the_keyword_the_limit_holds_inside_each_call_and_the_result_is_the_function(monkeypatch):
-    monkeypatch.setattr(compile_limit, "_takes_limit", lambda: False)
+    monkeypatch.setattr(compile_limit, "TAKES_LIMIT", False)
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     seen = []
