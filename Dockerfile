@@ -6,7 +6,9 @@
 #        docker run -p 8000:8000 specd:cpu
 # With no --model the image serves the embedded default pair (models/default). Configure with flags after the
 # image name, a mounted YAML file (--config /configs/NAME.yaml or SPECD_CONFIG) or SPECD_<OPTION> variables.
-ARG BASE=pytorch/pytorch:2.7.0-cuda12.8-cudnn9-runtime
+# torch range tested: >=2.11,<2.14 (2.13: the suite, on CPU; 2.11: benchmarks/gpu/run.sh on an H200). A BASE
+# must bring a torch inside it (tests/docker checks this one's).
+ARG BASE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
 FROM ${BASE}
 
 # Empty for a base image that brings its own torch; the CPU build installs this torch first, as the Makefile does.

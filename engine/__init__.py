@@ -5,7 +5,9 @@ import-linter contract in pyproject.toml holds them to it). Below it the subpack
 those listed after it: core, speculative, sample | worker, models | sched | structured | layers, types | native."""
 
 from engine.core.audit import AuditResult
+from engine.core.dry_run import DryRun, dry_run
 from engine.core.llm_engine import LLMEngine, check_text
+from engine.core.memory_plan import MemoryPlan, PlanError, parse_size
 from engine.llm import LLM
 from engine.models import exit_head
 from engine.models.eagle_head import Eagle3Head, aux_layer_ids, save_head
@@ -26,12 +28,15 @@ __all__ = [
     "AuditResult",
     "CompileMode",
     "CompletionOutput",
+    "DryRun",
     "Constraint",
     "ConstraintKind",
     "Eagle3Head",
     "EngineConfig",
     "ExitHead",
     "LLMEngine",
+    "MemoryPlan",
+    "PlanError",
     "RequestOutput",
     "SamplingParamError",
     "SamplingParams",
@@ -43,7 +48,9 @@ __all__ = [
     "aux_layer_ids",
     "check_text",
     "decoder_layers",
+    "dry_run",
     "exit_head",
+    "parse_size",
     "save_head",
     "truncate",
 ]

@@ -16,9 +16,11 @@ import uvicorn
 
 from server.config import CONFIG_ENV, ENV_PREFIX, ConfigError, ServerConfig
 from server.options_cli import add_option_flags
-from server.options_sources import CONFIG_HELP, gather
+from server.options_sources import CONFIG_HELP, DEVICE_MEMORY_HELP, DRY_RUN_HELP, gather
 
 logger = logging.getLogger("server")
+# Flags that say how to start, not what to serve: not options, so no YAML key or variable reads them.
+START_FLAGS = ("dry_run", "device_memory")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--config", metavar="FILE", default=None, help=f"{CONFIG_HELP} (or set {CONFIG_ENV})")
     add_option_flags(s, ServerConfig)
+    s.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
+    s.add_argument("--device-memory", metavar="SIZE", help=DEVICE_MEMORY_HELP)
     distill = sub.add_parser(
         "distill", help="train a draft for a target on a text corpus: a small draft model by distillation (KL to "
         "the target), with --method eagle an EAGLE-3 head on the target's hidden states, or with --method self an "
@@ -47,6 +51,8 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     """Flags over the YAML file over the environment over the defaults. Raises ConfigError."""
     args = vars(build_parser().parse_args(argv))
     args.pop("command")
+    for flag in START_FLAGS:  # main reads them
+        args.pop(flag, None)
     yaml_path = args.pop("config")
     sourced = gather(ServerConfig, yaml_path, args, os.environ)
     config = sourced.build(ServerConfig)
@@ -72,7 +78,34 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
+    flags = vars(build_parser().parse_args(argv))
+    if flags.get("device_memory") is not None and not flags.get("dry_run"):
+        print("specd: error: --device-memory plans for another device: it goes with --dry-run", file=sys.stderr)
+        return 2
+    if flags.get("dry_run"):
+        return dry_run(config, flags.get("device_memory"))
     return serve(config)
+
+
+def dry_run(config: ServerConfig, device_memory: str | None) -> int:
+    """Prints the plan a start would make (exit 0), or the error it would stop with (exit 2)."""
+    from engine import dry_run as plan_start
+    from engine import parse_size
+
+    try:
+        memory = parse_size(device_memory) if device_memory is not None else None
+        result = plan_start(config.engine_config(), memory)
+    except (ValueError, OSError) as exc:
+        print(f"specd: error: {exc}", file=sys.stderr)
+        return 2
+    plan = result.plan
+    print(f"dry run: {config.model} ({result.target_params / 1e9:.2f}B parameters)"
+          + (f" with {config.draft_model} ({result.draft_params / 1e9:.2f}B)" if result.draft_params else "")
+          + f", {str(result.dtype).removeprefix('torch.')} on {result.device}")
+    for warning in plan.warnings:
+        print(f"warning: {warning}")
+    print(plan.describe())
+    return 0
 
 
 def serve(config: ServerConfig) -> int:

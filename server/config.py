@@ -100,8 +100,15 @@ class ServerConfig:
     max_num_batched_tokens: int = option(
         2048, "tokens per step (prompt chunks, drafts and catch-up included)", engine=True
     )
-    kv_cache_memory_gb: float = option(1.0, "KV cache budget in GiB, the target's and the draft's together",
-                                       engine=True)
+    memory_utilization: float | None = option(
+        None, "share of the device specd may use in all (weights, activations, KV cache); on CPU, share of the RAM "
+        "available besides the weights that the KV cache may take", engine=True,
+        shown_default="0.9 on CUDA, 0.25 on CPU",
+    )
+    kv_cache_memory_gb: float | None = option(
+        None, "KV cache budget in GiB, the target's and the draft's together, instead of the memory plan's",
+        engine=True, shown_default="what --memory-utilization leaves (1 with --device-map)",
+    )
     max_queue: int = option(512, "requests waiting for a batch slot before new ones get 429")
     max_n: int = option(128, "most choices (`n`) one request may ask for (OpenAI's limit)")
     max_stop_sequences: int = option(4, "most stop strings one request may give (OpenAI's limit)")
@@ -153,8 +160,9 @@ class ServerConfig:
     )
     paged_attention: str = option(
         "auto", "how bucketed decode and verify forwards read the KV cache: `flex` (FlexAttention through the block "
-        "table, in place), `gather` (a padded copy per layer, then SDPA) or `auto`",
-        choices=("auto", "flex", "gather"), engine=True, shown_default="`auto`: `flex` on CUDA, `gather` on CPU",
+        "table, in place; on CUDA, blocks of 16 tokens or more), `gather` (a padded copy per layer, then SDPA) or "
+        "`auto`", choices=("auto", "flex", "gather"), engine=True,
+        shown_default="`auto`: `flex` on CUDA with `--block-size` >= 16, else `gather`",
     )
     log_level: str = option("info", "`debug`, `info`, `warning` or `error`", choices=LOG_LEVELS)
     log_stats_interval: float = option(10.0, "seconds between stats log lines while busy; 0 for none")

@@ -11,17 +11,19 @@ import argparse
 from server.config import REPO_ROOT, ServerConfig
 from server.options import Spec, specs
 from server.options_cli import shown_default
-from server.options_sources import CONFIG_ENV, CONFIG_HELP
+from server.options_sources import CONFIG_ENV, CONFIG_HELP, DEVICE_MEMORY_HELP, DRY_RUN_HELP
 
 BEGIN, END = "<!-- options:begin -->", "<!-- options:end -->"
 DOC = REPO_ROOT / "docs" / "configuration.md"
 
 
 def render() -> str:
-    """The markdown table: one row for --config, then one per option in declaration order."""
+    """The markdown table: one row for --config, one per option in declaration order, then the start-up flags."""
     rows = ["| flag | variable | default | what |", "|---|---|---|---|"]
     rows.append(f"| `--config FILE` | `{CONFIG_ENV}` | none | {CONFIG_HELP} |")
     rows += [_row(spec) for spec in specs(ServerConfig)]
+    rows.append(f"| `--dry-run` | none | off | {DRY_RUN_HELP} |")
+    rows.append(f"| `--device-memory SIZE` | none | the device's | {DEVICE_MEMORY_HELP} |")
     return "\n".join(rows) + "\n"
 
 

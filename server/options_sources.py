@@ -13,6 +13,10 @@ from server.options import ConfigError, specs
 
 CONFIG_ENV = "SPECD_CONFIG"  # the YAML file, when --config is not given
 CONFIG_HELP = "a YAML file of these options, keys written with dashes or underscores"
+DRY_RUN_HELP = ("resolve the models' configs, the tokenizers and the memory plan without loading a weight; print the "
+                "plan and exit 0, or 2 with the error a start would give")
+DEVICE_MEMORY_HELP = ("with --dry-run: plan for a device of this much memory (e.g. 80GiB; on CPU, the RAM available), "
+                      "one this machine need not have")
 
 T = TypeVar("T")
 

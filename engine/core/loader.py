@@ -10,6 +10,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, GenerationConfig
 
+from engine.core.plan_sizes import plan_loaded
 from engine.models import exit_head
 from engine.models.eagle_head import ARCHITECTURE, is_eagle_head
 from engine.models.exit_head import ExitHead
@@ -160,27 +161,14 @@ def load(config: EngineConfig) -> Loaded:
     limits = [r.max_position_embeddings for r in (target, draft)
               if isinstance(r, ModelRunner) and r.max_position_embeddings]
     model_limit = min(limits) if limits else _DEFAULT_CONTEXT
-    if config.max_model_len is not None and config.max_model_len > model_limit:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {model_limit}")
-    max_model_len = config.max_model_len or model_limit
-
-    # Blocks for every sequence at full length (plus draft room) is all that is ever useful.
-    per_seq = -(-(max_model_len + config.k_max + 1) // config.block_size)
-    block_bytes = target.bytes_per_block(config.block_size) + (draft.bytes_per_block(config.block_size) if draft else 0)
-    if config.num_kv_blocks is not None:
-        num_blocks = config.num_kv_blocks
-        sizing = f"num_kv_blocks {num_blocks}"
-    else:
-        budget = int(config.kv_cache_memory_gb * 2**30) // block_bytes
-        num_blocks = min(budget, per_seq * config.max_num_seqs)
-        sizing = f"budget {config.kv_cache_memory_gb:g} GiB = {budget} blocks"
-        if num_blocks < budget:
-            sizing += f", capped at max_num_seqs {config.max_num_seqs} x {per_seq} blocks per sequence"
-    if num_blocks < per_seq:
-        raise ValueError(
-            f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, fewer than one sequence "
-            f"of max_model_len {max_model_len} needs ({per_seq}); raise the KV budget or lower max_model_len"
-        )
+    plan = plan_loaded(config, target.model, target.bytes_per_block(config.block_size),
+                       None if draft is None else draft.head if isinstance(draft, EagleRunner) else draft.model,
+                       draft.bytes_per_block(config.block_size) if draft else 0, target.device, target.dtype,
+                       model_limit, use_cuda_graphs(config, target) and not eagle, split)
+    for warning in plan.warnings:
+        logger.warning(warning)
+    logger.info("%s", plan.describe())
+    max_model_len, num_blocks, block_bytes, sizing = plan.max_model_len, plan.num_blocks, plan.block_bytes, plan.sizing
     # A background compile writes its warm-up forwards into blocks of its own, past the block manager's.
     reserved = ModelRunner.warm_up_blocks(config.k_max, config.block_size) if mode is CompileMode.BACKGROUND else 0
     target.allocate_cache(num_blocks + reserved, config.block_size)

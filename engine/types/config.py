@@ -63,8 +63,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None = derived from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
+    num_kv_blocks: int | None = None  # None = from kv_cache_memory_gb, else from the memory plan
+    kv_cache_memory_gb: float | None = None  # None = what the memory plan leaves (engine.core.memory_plan)
+    # The share of the device specd may use (CUDA, default 0.9), or of available RAM for the KV cache (CPU, 0.25).
+    memory_utilization: float | None = None
     seed: int = 0
     trust_remote_code: bool = False
     audit_fraction: float = 0.0  # of finished greedy requests, re-run without speculation and compared
@@ -116,6 +118,10 @@ class EngineConfig:
             raise ValueError(f"suffix_cache_requests must be >= 0, got {self.suffix_cache_requests}")
         if self.suffix_max_draft < 1:
             raise ValueError(f"suffix_max_draft must be >= 1, got {self.suffix_max_draft}")
+        if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -165,6 +165,25 @@ def test_constraints_pin_every_dependency_but_torch():
     assert names - {"torch"} <= set(pins), f"unpinned: {sorted(names - {'torch'} - set(pins))}; run make constraints"
 
 
+def test_the_base_images_torch_is_inside_the_range_the_dockerfile_states():
+    """A CUDA image cannot be pulled here to look inside: pytorch/pytorch's tags name their torch."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    text = (ROOT / "Dockerfile").read_text()
+    stated = re.search(r"^# torch range tested: (\S+) ", text, re.M)
+    base = re.search(r"^ARG BASE=pytorch/pytorch:(\d+\.\d+\.\d+)-cuda", text, re.M)
+    assert stated and base, "the Dockerfile must state its tested torch range and use a pytorch/pytorch base"
+    tested = SpecifierSet(stated.group(1))
+    assert Version(base.group(1)) in tested, f"the base image's torch {base.group(1)} is outside {tested}"
+    make = re.search(r"^TORCH_SPEC \?= torch==(\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert make and Version(make.group(1)) in tested, "the suite's own torch must be inside the stated range"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    [floor] = [r.removeprefix("torch") for r in project if r.startswith("torch")]
+    assert SpecifierSet(floor) == SpecifierSet(f">={min(s.version for s in tested if s.operator == '>=')}"), (
+        "pyproject's torch floor must be the tested range's")
+
+
 def test_the_image_serves_as_a_non_root_user_on_the_exposed_port_with_a_health_check():
     [user] = instructions("USER")
     assert user not in ("root", "0")

@@ -368,6 +368,8 @@ def check_command(words: list[str], cwd: Path, block: Block) -> None:
 def check_script(path: Path, args: list[str], where: str) -> None:
     assert path.is_file(), f"{where}: no script {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}"
     source = path.read_text()
+    if path.suffix == ".sh":  # a wrapper: the flags it passes on belong to the Python script it runs
+        source += "".join((ROOT / py).read_text() for py in re.findall(r'(\S+\.py) "\$@"', source))
     for arg in args:
         flag = arg.split("=", 1)[0]
         if flag.startswith("--"):
@@ -387,6 +389,10 @@ def check_specd(argv: list[str], cwd: Path, where: str) -> None:
             pytest.fail(f"{where}: the CLI refuses it: {err.getvalue().strip()}")
     if args.pop("command") != "serve":
         return
+    from server.cli import START_FLAGS
+
+    for flag in START_FLAGS:
+        args.pop(flag, None)
     config = args.pop("config", None)
     if config is not None:
         config = str(cwd / config if (cwd / config).exists() else ROOT / config.lstrip("/"))
