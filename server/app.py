@@ -100,7 +100,8 @@ class Lifespan:
             state.metrics.controller.declare_cost_model(engine.controller.cost.parameters)
         observers = [state.metrics] if state.stats_log is None else [state.metrics, state.stats_log]
         async_engine = AsyncEngine(engine, config.max_queue, observers=observers, on_fatal=state.fail)
-        limits = Limits(config.max_n, config.max_stop_sequences, config.request_timeout, config.token_healing)
+        limits = Limits(config.max_n, config.max_stop_sequences, config.request_timeout, config.token_healing,
+                        config.max_logprobs)
         state.serving = Serving(
             engine, async_engine, config.served_name, TokenText(engine.tokenizer), template, state.tracking, limits
         )

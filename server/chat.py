@@ -16,7 +16,7 @@ from engine import Constraint, check_text
 from server import structured, tools
 from server.errors import bad_request
 from server.generation import Choice, Generation
-from server.logprobs import chat_logprobs
+from server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from server.protocol import ChatCompletionRequest
 from server.responses import (
     AssistantMessage,
@@ -39,7 +39,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     tool_plan, constraint = _validate(req, ctx)
     prompt = render(req, ctx, tool_plan)
-    params = ctx.sampling_params(req, max_tokens, logprobs, constraint)
+    params = ctx.sampling_params(req, max_tokens, logprobs, constraint, req.prompt_logprobs)
     prepared = ctx.prepare(prompt, params, max_tokens, "messages")  # no max: OpenAI's default, the rest
     gen = ctx.submit("chatcmpl", arrival, [prepared], req.n, lambda: _messages_text(req))
     if req.stream:
@@ -70,9 +70,11 @@ def _output_plan(req: ChatCompletionRequest) -> tuple[ToolPlan, Constraint | Non
     return tool_plan, structured.only_one(found)
 
 
-def render(req: ChatCompletionRequest, ctx: Serving, plan: ToolPlan) -> list[int]:
-    """The prompt's token ids. The template already writes any BOS it wants, so no special tokens are added.
-    Tools go to the template whatever tool_choice says; "auto" needs a template that shows them."""
+def render(req: ChatCompletionRequest, ctx: Serving, plan: ToolPlan, generation_prompt: bool = True,
+           special_tokens: bool = False) -> list[int]:
+    """The prompt's token ids. The template already writes any BOS it wants, so no special tokens are added
+    (unless ``special_tokens``, /tokenize's add_special_tokens). Tools go to the template whatever tool_choice
+    says; "auto" needs a template that shows them."""
     tok = ctx.engine.tokenizer
     template = ctx.chat_template or (getattr(tok, "chat_template", None) if tok is not None else None)
     if tok is None or not template:
@@ -83,9 +85,10 @@ def render(req: ChatCompletionRequest, ctx: Serving, plan: ToolPlan) -> list[int
         )
     messages = _messages(req)
     shown = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    text = _apply_template(tok, template, messages, shown)
+    text = _apply_template(tok, template, messages, shown, generation_prompt)
     if plan.mode is ToolMode.AUTO and (
-        not all(name in text for name in plan.names) or text == _apply_template(tok, template, messages, None)
+        not all(name in text for name in plan.names)
+        or text == _apply_template(tok, template, messages, None, generation_prompt)
     ):
         raise bad_request(
             "this model's chat template does not show tools to the model, so it cannot decide to call one "
@@ -96,7 +99,13 @@ def render(req: ChatCompletionRequest, ctx: Serving, plan: ToolPlan) -> list[int
         check_text(text)
     except ValueError as exc:
         raise bad_request(f"messages: {exc}", param="messages", code="invalid_prompt") from None
-    return tok.encode(text, add_special_tokens=False)
+    return tok.encode(text, add_special_tokens=special_tokens)
+
+
+def prompt_of(req: ChatCompletionRequest, ctx: Serving, generation_prompt: bool, special_tokens: bool) -> list[int]:
+    """The token ids a chat request's messages (and tools) render to, as create_chat_completion would feed them."""
+    plan, _ = _validate(req, ctx)
+    return render(req, ctx, plan, generation_prompt, special_tokens)
 
 
 def _messages(req: ChatCompletionRequest) -> list[dict]:
@@ -125,10 +134,11 @@ def _parsed_arguments(call: object) -> object:
     return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
-def _apply_template(tok: object, template: str, messages: list[dict], tools: list[dict] | None) -> str:
+def _apply_template(tok: object, template: str, messages: list[dict], tools: list[dict] | None,
+                    generation_prompt: bool = True) -> str:
     try:
         return tok.apply_chat_template(
-            messages, tools=tools, chat_template=template, add_generation_prompt=True, tokenize=False
+            messages, tools=tools, chat_template=template, add_generation_prompt=generation_prompt, tokenize=False
         )
     except Exception as exc:
         if type(exc).__module__.startswith("jinja2"):  # e.g. raise_exception in the template: it describes the messages
@@ -191,7 +201,11 @@ def _response(
                 **extra,
             )
         )
-    return ChatCompletionResponse(id=gen.id, model=ctx.model_name, choices=out, usage=gen.usage())
+    prompt = None  # one prompt for every choice: vLLM puts its logprobs on the response
+    if req.prompt_logprobs is not None and choices and choices[0].prompt_logprobs is not None:
+        prompt = vllm_prompt_logprobs(ctx.text, choices[0].prompt_token_ids, choices[0].prompt_logprobs)
+    return ChatCompletionResponse(id=gen.id, model=ctx.model_name, choices=out, usage=gen.usage(),
+                                  prompt_logprobs=prompt)
 
 
 def _messages_text(req: ChatCompletionRequest) -> str:

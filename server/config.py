@@ -112,6 +112,8 @@ class ServerConfig:
     max_queue: int = option(512, "requests waiting for a batch slot before new ones get 429")
     max_n: int = option(128, "most choices (`n`) one request may ask for (OpenAI's limit)")
     max_stop_sequences: int = option(4, "most stop strings one request may give (OpenAI's limit)")
+    max_logprobs: int = option(20, "most alternatives `logprobs`, `top_logprobs` or `prompt_logprobs` may ask for "
+                               "(at most 20)")
     max_body_bytes: int = option(
         8 * 2**20, "largest request body in bytes; larger ones get 413", shown_default="8388608 (8 MiB)"
     )
@@ -185,6 +187,8 @@ class ServerConfig:
             raise ConfigError(f"draft_layers is for speculative_method self or hybrid, not {self.method}")
         if self.max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
+        if not 0 <= self.max_logprobs <= 20:
+            raise ConfigError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
         for name in ("max_n", "max_stop_sequences", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

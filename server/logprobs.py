@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from engine import TokenLogprob
-from server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprobEntry, TopLogprob
+from server.responses import ChatLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprobEntry, TopLogprob
 
 _SP_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece byte-fallback tokens
 
@@ -91,25 +91,49 @@ class TextOffsets:
 
 
 def completion_logprobs(
-    text: TokenText, entries: list[TokenLogprob], offsets: TextOffsets, prompt_ids: list[int] | None = None
+    text: TokenText, entries: list[TokenLogprob], offsets: TextOffsets, prompt_ids: list[int] | None = None,
+    prompt_scores: list[TokenLogprob | None] | None = None,
 ) -> CompletionLogprobs:
-    """The legacy format. Echoed prompt tokens get null logprobs: the engine does not score the prompt."""
+    """The legacy format. Echoed prompt tokens come first, scored by the target (``prompt_scores``, one per prompt
+    token); the first has no context, so its logprob and top are null, as OpenAI's and vLLM's are."""
     out = CompletionLogprobs()
-    for token_id in prompt_ids or []:
+    for i, token_id in enumerate(prompt_ids or []):
         s, b = text(token_id)
+        scored = prompt_scores[i] if prompt_scores is not None and i < len(prompt_scores) else None
         out.tokens.append(s)
-        out.token_logprobs.append(None)
-        out.top_logprobs.append(None)
+        out.token_logprobs.append(scored.logprob if scored else None)
+        out.top_logprobs.append(_top(text, scored) if scored else None)
         out.text_offset.append(offsets.advance(b))
     for e in entries:
         s, b = text(e.token_id)
         out.tokens.append(s)
         out.token_logprobs.append(e.logprob)
-        top: dict[str, float] = {}
-        for t, lp in e.top:  # best first: where two ids print alike, keep the likelier
-            top.setdefault(text.text(t), lp)
-        out.top_logprobs.append(top)
+        out.top_logprobs.append(_top(text, e))
         out.text_offset.append(offsets.advance(b))
+    return out
+
+
+def _top(text: TokenText, e: TokenLogprob) -> dict[str, float]:
+    top: dict[str, float] = {}
+    for t, lp in e.top:  # best first: where two ids print alike, keep the likelier
+        top.setdefault(text.text(t), lp)
+    return top
+
+
+def vllm_prompt_logprobs(
+    text: TokenText, prompt_ids: list[int], scores: list[TokenLogprob | None]
+) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else token id -> logprob, rank and decoded
+    token, for the prompt's own token and its top-N alternatives."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    for token_id, e in zip(prompt_ids, scores):
+        if e is None:
+            out.append(None)
+            continue
+        entry = {str(token_id): PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=text.text(token_id))}
+        for rank, (t, lp) in enumerate(e.top, start=1):
+            entry.setdefault(str(t), PromptLogprob(logprob=lp, rank=rank, decoded_token=text.text(t)))
+        out.append(entry)
     return out
 
 

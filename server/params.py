@@ -11,7 +11,7 @@ from server.protocol import SamplingFields
 
 def sampling_params(
     req: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int, constraint: Constraint | None = None,
-    token_healing: bool = False,
+    token_healing: bool = False, prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The request's fields as SamplingParams (their range errors name the field: a 400 upstream).
     ``token_healing``: the server's default, for requests that leave it unset and have no constraint (the
@@ -44,9 +44,11 @@ def sampling_params(
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         num_speculative_tokens=req.num_speculative_tokens,
         constraint=constraint,
-        token_healing=req.token_healing if req.token_healing is not None else token_healing and constraint is None,
+        token_healing=req.token_healing if req.token_healing is not None else
+        token_healing and constraint is None and prompt_logprobs is None,
     )
 
 

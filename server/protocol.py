@@ -53,6 +53,8 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     num_speculative_tokens: int | None = Field(None, ge=0, le=16)  # 0 turns speculation off for this request
+    # vLLM's: each prompt token's logprob under the target (the first has none) and its top-N, per choice.
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     return_token_ids: bool = False  # add prompt_token_ids and token_ids to each choice
     # Structured output (server.structured): at most one of these per request.
     response_format: ResponseFormat | None = None
@@ -79,7 +81,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt scored, nothing generated
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None

@@ -35,12 +35,20 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions format. Prompt tokens (echo) carry null logprobs."""
+    """The legacy completions format. With echo the prompt's tokens come first, the very first with null."""
 
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry, keyed by token id (as a string in JSON)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -51,6 +59,7 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = Field(None, exclude_if=_none)
     prompt_token_ids: list[int] | None = Field(None, exclude_if=_none)
     token_ids: list[int] | None = Field(None, exclude_if=_none)
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, exclude_if=_none)
 
 
 class CompletionResponse(BaseModel):
@@ -114,6 +123,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, exclude_if=_none)  # vLLM's
 
 
 class DeltaToolCall(BaseModel):

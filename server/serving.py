@@ -34,6 +34,7 @@ class Limits:
     max_stop_sequences: int = 4
     request_timeout: float | None = None  # seconds; None: no deadline
     token_healing: bool = False  # for requests that leave token_healing unset
+    max_logprobs: int = 20
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,11 @@ class Serving:
             raise bad_request(f"each stop sequence must be at most {MAX_STOP_CHARS} characters", param="stop")
         if len(req.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
             raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", param="stop_token_ids")
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            value = getattr(req, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > limits.max_logprobs:
+                raise bad_request(f"{name} must be at most {limits.max_logprobs} on this server (--max-logprobs), "
+                                  f"got {value}", param=name)
         if len(req.logit_bias or {}) > MAX_LOGIT_BIAS:
             raise bad_request(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
         choices = num_prompts * req.n
@@ -85,12 +91,13 @@ class Serving:
             )
 
     def sampling_params(
-        self, req: SamplingFields, max_tokens: int | None, logprobs: int | None, constraint: Constraint | None
+        self, req: SamplingFields, max_tokens: int | None, logprobs: int | None, constraint: Constraint | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Provisional until ``prepare`` fits max_tokens to the prompt: without one, the whole context."""
         provisional = max_tokens if max_tokens is not None else self.max_model_len - 1
         vocab_size, healing = self.engine.vocab_size, self.limits.token_healing
-        return sampling_params(req, provisional, logprobs, vocab_size, constraint, healing)
+        return sampling_params(req, provisional, logprobs, vocab_size, constraint, healing, prompt_logprobs)
 
     def prepare(
         self, prompt: str | Sequence[int], params: SamplingParams, requested_max: int | None, param: str

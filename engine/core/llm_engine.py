@@ -12,6 +12,7 @@ import torch
 
 from engine.core.audit import Auditor, is_audit
 from engine.core.loader import load
+from engine.core.prompt_scoring import take_prompt_logprobs
 from engine.sample import rng
 from engine.sample.verifier import Verifier
 from engine.sched.block_manager import BlockManager
@@ -196,6 +197,7 @@ class LLMEngine:
         t2 = time.perf_counter()
         starts = [s.seq.num_computed for s in sched.scheduled]
         logits = self._forward(sched.scheduled, drafts.tokens)  # [R, V]
+        logits = take_prompt_logprobs(sched.scheduled, drafts.tokens, logits)  # [R', V]: the sampling rows
         t3 = time.perf_counter()
         verdicts = self._verify(sched, drafts, logits)
         verify_seconds = time.perf_counter() - t3

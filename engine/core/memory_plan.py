@@ -65,6 +65,7 @@ class MemoryPlan:
     block_bytes: int  # target's and draft's layers together
     num_blocks: int
     block_size: int
+    k_max: int
     max_model_len: int
     model_limit: int
     sizing: str  # where the block count came from
@@ -76,7 +77,7 @@ class MemoryPlan:
 
     @property
     def full_length_sequences(self) -> int:
-        return self.num_blocks // blocks_per_sequence(self.max_model_len, 0, self.block_size)
+        return self.num_blocks // blocks_per_sequence(self.max_model_len, self.k_max, self.block_size)
 
     def describe(self) -> str:
         """The start-up log's one block."""
@@ -197,7 +198,7 @@ def plan_memory(r: PlanRequest) -> MemoryPlan:
         raise PlanError(f"the KV cache holds {blocks} blocks of {r.block_size} tokens, fewer than one sequence of "
                         f"max_model_len {context} needs; raise the KV budget or lower max_model_len")
     return MemoryPlan(r.device, r.memory_bytes, share, weights, r.draft.weight_bytes if r.draft else 0, act,
-                      block_bytes, blocks, r.block_size, context, limit, sizing, tuple(warnings))
+                      block_bytes, blocks, r.block_size, r.k_max, context, limit, sizing, tuple(warnings))
 
 
 def parse_size(text: str) -> int:

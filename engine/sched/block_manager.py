@@ -118,8 +118,8 @@ class BlockManager:
         """The registered blocks that hold the longest cached prefix of a sequence with no blocks.
         At least its last token is left out, since the step that follows must compute something to
         sample from (and must not write into a shared block to do it)."""
-        if not self.prefix_caching or seq.block_table:
-            return []
+        if not self.prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need the logits of every prompt position, which no cached block holds
         hit = []
         for h in self.hashes(seq, (seq.num_tokens - 1) // self.block_size):
             block = self._block_of.get(h)

@@ -145,6 +145,9 @@ class Scheduler:
             if verdict is None:
                 seq.num_computed += s.num_new_tokens
                 self.block_manager.register(seq)
+                if seq.params.max_tokens == 0 and seq.num_computed == seq.num_tokens:  # its prompt scored: done
+                    self.finish(seq, FinishReason.LENGTH)
+                    outputs.append(RequestOutput.of(seq, [], "", []))
                 continue
             if verdict.error is not None:
                 logger.error("request %s failed: %s", seq.request_id, verdict.error)

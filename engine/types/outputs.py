@@ -36,9 +36,15 @@ class RequestOutput:
     num_draft_tokens: int
     num_accepted_tokens: int
     spec_by_source: dict[str, SourceTokens] = field(default_factory=dict)  # the two above, by draft source name
+    # With params.prompt_logprobs, in the request's first output: one per prompt token, the first None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @classmethod
     def of(cls, seq: Sequence, tokens: list[int], text: str, logprobs: list[TokenLogprob]) -> RequestOutput:
+        prompt = None
+        if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            prompt = [None, *seq.prompt_logprobs][: seq.num_prompt_tokens]
+            seq.prompt_logprobs_sent = True  # once per request: the outputs carry only what is new
         return cls(
             request_id=seq.request_id,
             new_token_ids=tokens,
@@ -53,6 +59,7 @@ class RequestOutput:
             num_draft_tokens=seq.num_draft_tokens,
             num_accepted_tokens=seq.num_accepted_tokens,
             spec_by_source=dict(seq.spec_by_source),  # a snapshot: the sequence's own dict goes on changing
+            prompt_logprobs=prompt,
         )
 
 
@@ -71,8 +78,11 @@ class CompletionOutput:
     num_accepted_tokens: int = 0
     num_cached_tokens: int = 0
     spec_by_source: dict[str, SourceTokens] = field(default_factory=dict)  # drafted and accepted, by draft source
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.token_ids.extend(out.new_token_ids)
         self.text += out.new_text
         self.logprobs.extend(out.new_logprobs)

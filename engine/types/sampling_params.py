@@ -38,6 +38,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; N: the emitted token's logprob plus top-N
+    # None: none; N: every prompt token's logprob under the target (the first has none) plus top-N. Such a request
+    # computes its whole prompt (no prefix-cache reads): the cache holds K/V, not the logits these need.
+    prompt_logprobs: int | None = None
     num_speculative_tokens: int | None = None
     constraint: Constraint | None = None  # the output must match it (engine.structured)
     token_healing: bool = False  # back off the prompt's last token and re-generate it (engine.structured.healing)
@@ -49,7 +52,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
-        _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        # 0: the prompt alone is computed (scoring it, with prompt_logprobs), nothing is sampled.
+        _check(self.max_tokens >= 0, "max_tokens", f"must be >= 0, got {self.max_tokens}")
         _check(0.0 <= self.temperature <= 2.0, "temperature", f"must be in [0, 2], got {self.temperature}")
         if self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
@@ -80,6 +84,11 @@ class SamplingParams:
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         if self.logprobs is not None:
             _check(0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            _check(0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+                   f"must be in [0, 20], got {self.prompt_logprobs}")
+            _check(not self.token_healing, "prompt_logprobs", "cannot be combined with token_healing (it re-spells "
+                   "the prompt's end)")
         if self.num_speculative_tokens is not None:
             _check(
                 0 <= self.num_speculative_tokens <= 16,

@@ -24,8 +24,10 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """This step reaches the end of the sequence's known tokens, so it yields a token."""
-        return self.seq.num_computed + self.num_new_tokens == self.seq.num_tokens
+        """This step reaches the end of the sequence's known tokens, so it yields a token (unless the request only
+        scores its prompt: max_tokens 0)."""
+        seq = self.seq
+        return seq.num_computed + self.num_new_tokens == seq.num_tokens and seq.params.max_tokens > 0
 
 
 @dataclass

@@ -32,6 +32,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int | None = None  # 1 + how many tokens the target scored higher (prompt logprobs carry it)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With params.prompt_logprobs: entry i scores prompt token i + 1, appended as the prefill computes it.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     spec_by_source: dict[str, SourceTokens] = field(default_factory=dict)  # the two above, by draft source name

@@ -36,12 +36,31 @@ class ForwardBatch:
         return keep, end
 
 
+def prompt_rows(s: ScheduledSeq) -> int:
+    """Positions of this step whose logits score a prompt token (those before the prompt's last), where the
+    request asked for prompt logprobs: they lead the sequence's logits rows."""
+    seq = s.seq
+    if seq.params.prompt_logprobs is None:
+        return 0
+    return max(0, min(seq.num_computed + s.num_new_tokens, seq.num_prompt_tokens - 1) - seq.num_computed)
+
+
+def logits_rows(s: ScheduledSeq, drafts: list[int]) -> tuple[int, int, int]:
+    """A sequence's logits rows this step, in order: (prompt rows, padding, sampling rows). Rows are always a
+    feed's trailing positions, so a chunk that ends the prompt of a request scoring it alone (max_tokens 0) takes
+    its last position's row too, as padding nobody reads."""
+    prompt, sampling = prompt_rows(s), (len(drafts) + 1 if s.samples else 0)
+    ends = s.seq.num_computed + s.num_new_tokens == s.seq.num_tokens
+    return prompt, int(prompt > 0 and not sampling and ends), sampling
+
+
 def step_batch(scheduled: list[ScheduledSeq], drafts: list[list[int]]) -> ForwardBatch:
     """The step's one target pass: each sequence's uncomputed tokens plus its drafts. Sequences that
-    reach their last known token get logits for it and every draft position."""
+    reach their last known token get logits for it and every draft position; a prompt chunk of a
+    request that asked for prompt logprobs gets them for every position (prompt_rows), before those."""
     feeds, rows = [], []
     for s, d in zip(scheduled, drafts):
         seq = s.seq
         feeds.append(seq.token_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d)
-        rows.append(len(d) + 1 if s.samples else 0)
+        rows.append(sum(logits_rows(s, d)))
     return ForwardBatch(feeds, [s.seq.num_computed for s in scheduled], [s.seq.block_table for s in scheduled], rows)

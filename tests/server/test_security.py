@@ -23,7 +23,8 @@ def test_every_route_but_health_and_metrics_needs_the_key(make_server):
     live = make_server(api_key="k3y")
     routes = {path: [m.upper() for m in ops] for path, ops in live.app.openapi()["paths"].items()}
     assert set(routes) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
-                           "/health", "/metrics"}, "a new route must be behind the key, or added here on purpose"
+                           "/tokenize", "/detokenize", "/tokenizer_info", "/health", "/metrics"}, (
+        "a new route must be behind the key, or added here on purpose")
     for path, methods in routes.items():
         url = live.url + path.replace("{model}", MODEL)
         resp = httpx.request(methods[0], url, json={}, timeout=10)

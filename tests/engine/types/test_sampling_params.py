@@ -22,7 +22,9 @@ def test_defaults_are_valid_and_mean_plain_sampling():
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": 2, "token_healing": True}, "prompt_logprobs"),
         ({"max_tokens": -5}, "max_tokens"),
         ({"temperature": -0.01}, "temperature"),
         ({"temperature": 2.01}, "temperature"),
