@@ -19,6 +19,8 @@ from tests.tiny_models import (
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # lm-evaluation-harness reads its local task files through datasets
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM would fetch its price list
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # Servers the tests start from flags or the environment run eagerly unless a test asks otherwise: the default
 # (compile auto: a background compile on CPU) would have each of them compiling beside the suite's other work.

@@ -9,6 +9,7 @@ and the embedded tokenizer as a stand-in. Only the model paths change, and `--de
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shlex
 import shutil
@@ -51,6 +52,17 @@ STANDS_IN = {"Llama-3.1-8B-Instruct": "Llama-3.1-8B-Instruct", "Llama-3.2-1B-Ins
              "Llama-3.1-70B-Instruct": "Llama-3.1-70B-Instruct", "target": "Llama-3.1-8B-Instruct",
              "draft": "Llama-3.2-1B-Instruct", "my-model": "Llama-3.1-8B-Instruct", "my-draft": "Llama-3.2-1B-Instruct"}
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.fixture(autouse=True)
+def root_logging_restored():
+    """main() configures the root logger as a real start would (basicConfig, force=True): put it back, or the
+    rest of this worker's tests would run with INFO records flowing."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    yield
+    root.setLevel(level)
+    root.handlers[:] = handlers
 
 
 @pytest.fixture(scope="module")
