@@ -16,6 +16,7 @@ from server.errors import APIError, bad_request, from_exception
 from server.protocol import ChatCompletionRequest, ChatMessage, Tool
 from server.routes.deps import State
 from server.serving import Serving
+from server.state import AppState
 
 router = APIRouter()
 
@@ -50,18 +51,16 @@ class DetokenizeResponse(BaseModel):
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, state: State) -> TokenizeResponse:
-    ctx = state.require_serving()
+    ctx, tok = _ready(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt and messages", param="prompt")
     try:
-        ctx.check_model(body.model)
-        tok = _tokenizer(ctx)
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of prompt and messages", param="prompt")
         if body.prompt is not None:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         else:
             chat = ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools)
             ids = prompt_of(chat, ctx, body.add_generation_prompt, body.add_special_tokens is True)
-    except Exception as exc:
+    except Exception as exc:  # a template that fails on these messages, say: a 400 naming them
         raise from_exception(exc) from None
     strs = [ctx.text.text(t) for t in ids] if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs)
@@ -69,22 +68,16 @@ async def tokenize(body: TokenizeRequest, state: State) -> TokenizeResponse:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, state: State) -> DetokenizeResponse:
-    ctx = state.require_serving()
-    try:
-        ctx.check_model(body.model)
-        tok = _tokenizer(ctx)
-        vocab = ctx.engine.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise bad_request(f"tokens must be ids in [0, {vocab})", param="tokens")
-        return DetokenizeResponse(prompt=tok.decode(body.tokens))
-    except Exception as exc:
-        raise from_exception(exc) from None
+    ctx, tok = _ready(state, body.model)
+    vocab = ctx.engine.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise bad_request(f"tokens must be ids in [0, {vocab})", param="tokens")
+    return DetokenizeResponse(prompt=tok.decode(body.tokens))
 
 
 @router.get("/tokenizer_info")
 async def tokenizer_info(state: State) -> dict[str, Any]:
-    ctx = state.require_serving()
-    tok = _tokenizer(ctx)
+    ctx, tok = _ready(state, None)
     special = {name: getattr(tok, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
     return {
         "tokenizer_class": type(tok).__name__, "vocab_size": len(tok), "model_max_length": ctx.max_model_len,
@@ -93,8 +86,11 @@ async def tokenizer_info(state: State) -> dict[str, Any]:
     }
 
 
-def _tokenizer(ctx: Serving) -> Any:
+def _ready(state: AppState, model: str | None) -> tuple[Serving, Any]:
+    """The serving context and its tokenizer, for a request naming ``model`` (or none)."""
+    ctx = state.require_serving()
+    ctx.check_model(model)
     tok = ctx.engine.tokenizer
     if tok is None:
         raise APIError(404, "this model was served without a tokenizer: only token ids work", code="no_tokenizer")
-    return tok
+    return ctx, tok

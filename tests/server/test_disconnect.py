@@ -18,7 +18,8 @@ def aborted(live) -> float:
 
 
 def test_stream_disconnect_aborts_the_request_and_frees_its_blocks(server, monkeypatch):
-    slow_steps(monkeypatch, server.engine, 0.01)  # 480 tokens would take seconds
+    # 480 tokens would take 5 s or more: the client reads its 3 events long before, however loaded the machine
+    slow_steps(monkeypatch, server.engine, 0.05)
     before = aborted(server)
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}) as resp:
