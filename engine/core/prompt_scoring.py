@@ -12,6 +12,8 @@ from engine.worker.forward_batch import logits_rows
 def take_prompt_logprobs(scheduled: list[ScheduledSeq], drafts: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
     """Records on each sequence the logprobs of the prompt tokens its rows score, and returns the rows left
     ([R', V]: the sampling sequences' rows, in order, as the verifier reads them)."""
+    if all(s.seq.params.prompt_logprobs is None for s in scheduled):  # the decode loop's case: nothing to take
+        return logits
     counts = [logits_rows(s, d) for s, d in zip(scheduled, drafts)]
     if not any(n for n, _, _ in counts):
         return logits
