@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.types.config import MIN_SCORING_CHUNK
+
 GiB = 2**30
 MIN_FULL_LENGTH = 4  # sequences of the whole context that must fit at once when the context is left to the plan
 MIN_CONTEXT = 256  # a context the plan would cap below this is an error, not a server
@@ -112,11 +114,12 @@ def forward_bytes(size: ModelSize, tokens: int, logit_rows: int, dtype_bytes: in
 
 
 def activation_bytes(r: PlanRequest) -> int:
-    """The largest forward (a prefill chunk of the token budget, or every sequence's verify), the target's verify
-    rows sampled in float32 (logits and probabilities), and with CUDA graphs each model's private pool, as large as
-    its largest bucket's forward (graphs are captured largest first into it)."""
+    """The largest forward (a prefill chunk of the token budget, or every sequence's verify), the most rows of
+    logits a step takes in float32 (logits and probabilities: every sequence's verify, or a chunk of a prompt being
+    scored, EngineConfig.logit_rows), and with CUDA graphs each model's private pool, as large as its largest
+    bucket's forward (graphs are captured largest first into it)."""
     models = [m for m in (r.target, r.draft) if m is not None]
-    rows = r.max_num_seqs * (r.k_max + 1)
+    rows = max(r.max_num_seqs * (r.k_max + 1), MIN_SCORING_CHUNK)
     tokens = max(r.max_num_batched_tokens, rows)
     act = max(forward_bytes(m, tokens, rows, r.dtype_bytes) for m in models) + rows * r.target.vocab * 4 * 2
     if r.cuda_graphs:

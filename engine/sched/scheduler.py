@@ -66,7 +66,7 @@ class Scheduler:
                 # Without room to draft, the source still catches up as far as the budget allows.
                 catch_up = lag if drafts else min(lag, budget - 1)
             else:  # an unfinished chunked prefill
-                new, drafts = min(seq.num_uncomputed, budget), 0
+                new, drafts = self._chunk(seq, seq.num_uncomputed, budget), 0
             if not self._make_room(seq, seq.num_computed + new + drafts, out):
                 continue  # seq itself was preempted; self.running shrank, same index is the next one
             out.scheduled.append(ScheduledSeq(seq, new, drafts, catch_up))
@@ -81,7 +81,7 @@ class Scheduler:
                 if self._prefix_in_flight(seq, len(hit)):
                     break  # next step it reuses what a running sequence is computing now
                 cached = len(hit) * self.block_manager.block_size
-                new = min(seq.num_tokens - cached, budget)
+                new = self._chunk(seq, seq.num_tokens - cached, budget)
                 if not self.block_manager.can_reuse(seq, hit, cached + new):
                     break  # waiting requests never preempt running ones
                 self.block_manager.reuse(seq, hit)
@@ -96,6 +96,13 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, new, 0))
                 budget -= new
         return out
+
+    def _chunk(self, seq: Sequence, tokens: int, budget: int) -> int:
+        """A prefill chunk. One that scores its prompt takes logits for every position: it is held to the rows of
+        logits the memory plan reserves (EngineConfig.logit_rows)."""
+        if seq.params.prompt_logprobs is not None:
+            budget = min(budget, self.config.logit_rows)
+        return min(tokens, budget)
 
     def _prefix_in_flight(self, seq: Sequence, num_hit: int) -> bool:
         """Whether the block after a waiting sequence's cache hit is being computed by a running one."""

@@ -32,6 +32,9 @@ class SpeculativeMethod(enum.Enum):
     NONE = "none"
 
 
+MIN_SCORING_CHUNK = 256  # prompt tokens a scoring request computes per step, at least
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -161,6 +164,12 @@ class EngineConfig:
     @property
     def speculates(self) -> bool:
         return self.speculative_method is not SpeculativeMethod.NONE and self.num_speculative_tokens != 0
+
+    @property
+    def logit_rows(self) -> int:
+        """The most rows of logits one step computes: every sequence's verify, or a prompt chunk of a request that
+        scores its prompt (held to this many tokens: the memory plan reserves for no more)."""
+        return max(self.max_num_seqs * (self.k_max + 1), MIN_SCORING_CHUNK)
 
     @property
     def k_max(self) -> int:

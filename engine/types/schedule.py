@@ -13,6 +13,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    logit_rows: int = 2**31  # the largest prompt chunk of a request scoring its prompt (EngineConfig.logit_rows)
 
 
 @dataclass(frozen=True)

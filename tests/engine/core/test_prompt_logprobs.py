@@ -74,3 +74,21 @@ def test_preempted_and_recomputed_prompts_are_scored_once(model_sets, tokenizer_
     assert llm.stats().num_preempted > 0, "nothing was preempted, so this test proved nothing"
     for ids, out in zip(prompts, outs):
         check(out, ms.target, ids, 1)
+
+
+def test_a_scored_prompt_is_computed_in_chunks_no_larger_than_the_logits_the_plan_reserves(model_sets):
+    ms = model_sets["llama"]
+    llm = LLM(model=str(ms.target), speculative_method="none", dtype="float32", device="cpu", max_num_seqs=2)
+    engine, chunks = llm.engine, []
+    schedule = engine.scheduler.schedule
+
+    def recorded():  # noqa: ANN202
+        out = schedule()
+        chunks.extend(s.num_new_tokens for s in out.scheduled if s.seq.params.prompt_logprobs is not None)
+        return out
+
+    engine.scheduler.schedule = recorded
+    ids = [(7 * i) % 300 + 3 for i in range(400)]
+    out = llm.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    assert engine.scheduler.config.logit_rows == 256 and max(chunks) == 256 and sum(chunks) == len(ids)
+    check(out, ms.target, ids, 0)
