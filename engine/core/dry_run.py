@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.core.loader import check_same_tokenizer, load_tokenizer
+from engine.core.loader import DEFAULT_CONTEXT, check_same_tokenizer, load_tokenizer
 from engine.core.memory_plan import MemoryPlan, ModelSize, plan_memory
 from engine.core.plan_sizes import host_available_bytes, model_size, request
 from engine.layers.kv_cache import LayerShape, PagedKVCache
@@ -21,7 +21,6 @@ from engine.types.config import EngineConfig
 from engine.worker.loading import device_map_kind, probe_layers, resolve_dtype
 
 META = torch.device("meta")
-_DEFAULT_CONTEXT = 2048  # engine.core.loader's, for a config without max_position_embeddings
 
 
 @dataclass(frozen=True)
@@ -87,5 +86,5 @@ def dry_run(config: EngineConfig, device_memory: int | None = None) -> DryRun:
     memory = device_memory if device_memory is not None else (
         torch.cuda.get_device_properties(0).total_memory if kind == "cuda" else host_available_bytes() + weights)
     plan = plan_memory(request(config, kind, memory, sizes[0], sizes[1] if len(sizes) > 1 else None, dtype,
-                               min(known) if known else _DEFAULT_CONTEXT, graphs, split))
+                               min(known) if known else DEFAULT_CONTEXT, graphs, split))
     return DryRun(plan, kind, dtype, sum(p.numel() for p in target.parameters()), draft_params)

@@ -24,7 +24,7 @@ from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_CONTEXT = 2048
+DEFAULT_CONTEXT = 2048  # for a model whose config names no max_position_embeddings
 
 
 class TokenizerMismatchError(ValueError):
@@ -160,7 +160,7 @@ def load(config: EngineConfig) -> Loaded:
             )
     limits = [r.max_position_embeddings for r in (target, draft)
               if isinstance(r, ModelRunner) and r.max_position_embeddings]
-    model_limit = min(limits) if limits else _DEFAULT_CONTEXT
+    model_limit = min(limits) if limits else DEFAULT_CONTEXT
     plan = plan_loaded(config, target.model, target.bytes_per_block(config.block_size),
                        None if draft is None else draft.head if isinstance(draft, EagleRunner) else draft.model,
                        draft.bytes_per_block(config.block_size) if draft else 0, target.device, target.dtype,

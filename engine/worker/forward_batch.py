@@ -62,5 +62,8 @@ def step_batch(scheduled: list[ScheduledSeq], drafts: list[list[int]]) -> Forwar
     for s, d in zip(scheduled, drafts):
         seq = s.seq
         feeds.append(seq.token_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d)
-        rows.append(sum(logits_rows(s, d)))
+        if seq.params.prompt_logprobs is None:  # the decode loop's case: half the cost of logits_rows
+            rows.append(len(d) + 1 if s.samples else 0)
+        else:
+            rows.append(sum(logits_rows(s, d)))
     return ForwardBatch(feeds, [s.seq.num_computed for s in scheduled], [s.seq.block_table for s in scheduled], rows)
