@@ -60,7 +60,7 @@ def calibrate(controller: GoodputController, target: ModelRunner, drafters: dict
         for n in (1, verify):
             table = list(range(-(-(short + n) // block_size)))
             controller.cost.drafters[name].observe(n, _best_of(runner, ForwardBatch([[0] * n], [short], [table], [n])))
-    for fit in (controller.cost.lookup, controller.cost.host, controller.cost.host_plain):
+    for fit in (controller.cost.lookup, controller.cost.host.pooled, controller.cost.host_plain):
         fit.observe(1, HOST_PRIOR_SECONDS)
         fit.observe(8, 8 * HOST_PRIOR_SECONDS)
     logger.info("goodput controller: step cost model at start-up %s",

@@ -127,7 +127,7 @@ class GoodputController:
         """``name``'s options for the step's sequences: its gains, priced at the target's per-token cost (plus
         ``extra_per_draft``) and the host's per-sequence cost (plus ``extra_fixed`` and a catch-up)."""
         gains = self.acceptance[name].gains(tracks, scale)  # [S, K]
-        host = self.cost.host.coefficients()[1]
+        host = self.cost.host.per_sequence(name)
         per_draft = self._per_token + extra_per_draft
         fixed = np.broadcast_to(host + extra_fixed + np.asarray(catch_up, dtype=float), (len(tracks),))  # [S]
         return Block(name, gains, caps, per_draft, fixed, drafter)

@@ -5,14 +5,14 @@ Sources sit behind one Protocol (engine.speculative.source): the lookups, prompt
 (cheap: asked for their proposals while planning, when the plan may use them), the draft model and the
 target's own early layers. With adaptive k the goodput controller (engine.speculative.controller) picks each
 sequence's source and k for the whole batch at once; at a fixed k a matching lookup drafts, else the first
-drafter. Mixing is exact: a lookup's proposal is one-hot,
-so where a batch needs q, its rows are one-hot vectors beside the drafters' real distributions, and
-verification holds row by row.
+drafter. Mixing is exact: a lookup's proposal is one-hot, so where a batch needs q, its rows are one-hot
+vectors beside the drafters' real distributions, and verification holds row by row.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,7 +57,7 @@ class Drafting:
         self.num_forwards = 0  # the drafters' forwards in the last observed step
         self.decision = Decision(mode="")  # the controller's, for the step planned last
         self._lookup_seconds = 0.0
-        self._pending: tuple[int, int, float] | None = None  # (sequences speculating, scheduled, timed seconds)
+        self._pending: tuple[Counter[str], int, float] | None = None  # (speculating by source, scheduled, timed s)
 
     @property
     def lookup(self) -> DraftSource | None:
@@ -244,7 +244,8 @@ class Drafting:
             context = sum(n * (start + n) for n, start in zip(fed, starts)) / 1000.0
             c.cost.target.observe(sum(fed), context, target_seconds, max(fed, default=0) > 1)
         # The rest of the step is known once it ends (observe_step): kept until then.
-        self._pending = (sum(1 for d in drafts if d), len(scheduled), target_seconds + forward_seconds)
+        speculating = Counter(s.seq.draft.source or "" for s, d in zip(scheduled, drafts) if d)
+        self._pending = (speculating, len(scheduled), target_seconds + forward_seconds)
         for s, v in zip(scheduled, verdicts):
             d = s.seq.draft
             if v is None or v.error is not None:

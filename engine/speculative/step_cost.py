@@ -4,7 +4,7 @@ in use (eager first, compiled once the background compile lands) and the batch's
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -40,6 +40,55 @@ class LinearCost:
     def __call__(self, n: float) -> float:
         a, b = self.coefficients()
         return a + b * n
+
+
+class HostCost:
+    """What speculating adds to a step's host work, by draft source: seconds = a + sum over sources of b_s * (its
+    sequences speculating). Sources differ: a lookup's drafts are a slice of a list, a draft model's carry its
+    cache and its probabilities through the verifier (the embedded pair, 2 cores, fitted per run: 0.025 ms a
+    sequence with suffix drafts alone, 0.067 in the hybrid, whose steps were mostly the draft model's), and one b
+    fitted over every source priced a suffix draft like a draft model's, which turned marginal plans plain. A
+    forgetting least squares over steps that mix sources, each coefficient shrunk toward the pooled fit (one b
+    over all speculating sequences) by ``shrink`` of a step's evidence: a source never seen is priced like the
+    rest, not as free, and one seen, however seldom, by its own steps (a pull of whole steps biased a source 300x
+    cheaper than its neighbour eightfold toward it)."""
+
+    def __init__(self, decay: float = 0.98, shrink: float = 0.01) -> None:
+        self.decay, self.shrink = decay, shrink
+        self.pooled = LinearCost(decay)
+        self.names: list[str] = []
+        self._xx, self._xy, self._w = np.zeros((1, 1)), np.zeros(1), 0.0
+        self._fit: tuple[float, dict[str, float]] | None = None
+
+    def observe(self, counts: Mapping[str, int], seconds: float) -> None:
+        """``counts``: the step's speculating sequences by the source that drafted for them."""
+        self.pooled.observe(sum(counts.values()), seconds)
+        for name in counts:
+            if name not in self.names:
+                self.names.append(name)
+                self._xx = np.pad(self._xx, ((0, 1), (0, 1)))
+                self._xy = np.pad(self._xy, (0, 1))
+        x = np.array([1.0] + [float(counts.get(n, 0)) for n in self.names])  # [1 + sources]
+        d = self.decay
+        self._xx = d * self._xx + np.outer(x, x)
+        self._xy = d * self._xy + x * seconds
+        self._w = d * self._w + 1.0
+        self._fit = None
+
+    def coefficients(self) -> tuple[float, dict[str, float]]:
+        """(a, b by source), clamped to >= 0."""
+        if self._fit is None:
+            a0, b0 = self.pooled.coefficients()
+            prior = np.array([a0] + [b0] * len(self.names))
+            # Each coefficient's pull is ``shrink`` observations of its own column's mean square: scale-free, and
+            # exactly the prior where a column never moved (the sums of a source never seen are all 0).
+            lam = self.shrink * np.maximum(np.diag(self._xx) / max(self._w, 1e-12), 1.0)
+            beta = np.maximum(np.linalg.solve(self._xx + np.diag(lam), self._xy + lam * prior), 0.0)
+            self._fit = float(beta[0]), dict(zip(self.names, beta[1:].tolist()))
+        return self._fit
+
+    def per_sequence(self, name: str) -> float:
+        return self.coefficients()[1].get(name, self.pooled.coefficients()[1])
 
 
 def context_slope(points: list[tuple[float, float, float]]) -> float:
@@ -162,7 +211,7 @@ class StepCostModel:
         self.target = TargetCost()
         self.drafters = {name: LinearCost() for name in drafters}
         self.lookup = LinearCost()
-        self.host = LinearCost()
+        self.host = HostCost()
         self.host_plain = LinearCost()  # a plain step's host work by sequences: what ``host`` is measured above
 
     def parameters(self) -> dict[str, float]:
@@ -171,7 +220,10 @@ class StepCostModel:
         for name, fit in self.drafters.items():
             a, b = fit.coefficients()
             out[f"{name}_per_forward"], out[f"{name}_per_token"] = a, b
-        for name, fit in (("lookup", self.lookup), ("host", self.host)):
-            a, b = fit.coefficients()
-            out[f"{name}_per_step"], out[f"{name}_per_sequence"] = a, b
+        a, b = self.lookup.coefficients()
+        out["lookup_per_step"], out["lookup_per_sequence"] = a, b
+        a, by_source = self.host.coefficients()
+        # host_per_sequence: the pooled fit, what a source not yet seen is priced at
+        out["host_per_step"], out["host_per_sequence"] = a, self.host.pooled.coefficients()[1]
+        out |= {f"host_per_sequence_{name}": b for name, b in by_source.items()}
         return out

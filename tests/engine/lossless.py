@@ -173,7 +173,7 @@ def flip_plain_and_speculative(engine) -> dict[str, int]:  # noqa: ANN001
         turn[0] += 1
         controller.margin = float("inf") if turn[0] % 2 else 0.0
         free = controller.cost = StepCostModel(controller.drafters)  # fresh: the steps' own timings go into it
-        for fit in (free.lookup, free.host, *free.drafters.values()):
+        for fit in (free.lookup, free.host.pooled, *free.drafters.values()):
             fit.observe(1, 1e-9)
         free.target.set_profile([(1, 0.0, 1e-3), (2, 0.0, 1e-3), (1, 1.0, 1e-3)])  # a flat step: drafts are free
         plan(running)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engine.speculative.controller import GoodputController
+from engine.speculative.step_cost import HostCost
 from engine.types.draft_state import SourceTrack
 from engine.types.sampling_params import SamplingParams
 from engine.types.sequence import Sequence
@@ -20,10 +21,11 @@ def controller(per_token: float, alpha: float = 0.7, k_max: int = 4) -> GoodputC
     c = GoodputController(k_max, ["draft_model"], ["ngram"])
     sizes = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513)
     c.cost.target.set_profile([(n, 0.0, 0.010 + per_token * n) for n in sizes])
-    for fit, a, b in ((c.cost.drafters["draft_model"], 1e-3, 5e-5), (c.cost.host, 0.0, 5e-5),
-                      (c.cost.lookup, 0.0, 5e-5)):
+    for fit, a, b in ((c.cost.drafters["draft_model"], 1e-3, 5e-5), (c.cost.lookup, 0.0, 5e-5)):
         for n in (1, 8):
             fit.observe(n, a + b * n)
+    for n in (1, 8):
+        c.cost.host.observe({"draft_model": n}, 5e-5 * n)
     acc, track, rng = c.acceptance["draft_model"], SourceTrack(), random.Random(0)
     for _ in range(400):  # each draft held with probability alpha; well known: no exploration bonus to speak of
         accepted = 0
@@ -65,6 +67,36 @@ def test_a_long_catch_up_is_priced_into_the_plan():
     assert not c.before_lookups(seqs, on, {"draft_model": np.array([5000])}).speculates, (
         "5000 tokens of catch-up (0.25 s of draft forward) outweigh a few drafts"
     )
+
+
+def test_a_lookup_is_priced_at_its_own_host_work_not_at_the_draft_models():
+    """64 sequences whose n-gram lookups propose 4 tokens each, held at 0.7: worth it at the lookup's own 10 us of
+    host work a sequence, not at the draft model's 3 ms, which a host fit shared by every source charged it."""
+
+    def plan(ngram_seen: bool):  # noqa: ANN202
+        c = controller(2e-5)
+        c.cost.host = HostCost()
+        rng = random.Random(0)
+        for _ in range(100):  # steps mixing the two sources, or the draft model's alone
+            d, g = rng.randint(0, 64), rng.randint(0, 64) if ngram_seen else 0
+            c.cost.host.observe({"draft_model": d, "ngram": g}, 3e-3 * d + 1e-5 * g)
+        acc, track, rng = c.acceptance["ngram"], SourceTrack(), random.Random(1)
+        for _ in range(400):
+            accepted = 0
+            while accepted < 4 and rng.random() < 0.7:
+                accepted += 1
+            acc.observe(track, 4, accepted)
+        seqs, on, lags = batch(64), np.ones(64, dtype=bool), {"draft_model": np.zeros(64)}
+        for s in seqs:
+            s.draft.proposals["ngram"] = [1, 2, 3, 4]
+        return c, c.with_proposals(seqs, on, lags)
+
+    c, seen = plan(ngram_seen=True)
+    assert c.cost.host.per_sequence("ngram") == pytest.approx(1e-5, abs=2e-6)
+    assert seen.speculates and {src for src, k in seen.choices if k} == {"ngram"}
+    c, unseen = plan(ngram_seen=False)
+    assert c.cost.host.per_sequence("ngram") == pytest.approx(3e-3, rel=0.01), "never seen: priced like the rest"
+    assert not unseen.speculates
 
 
 def test_a_plain_plan_asks_no_lookup_until_a_probe_is_due():

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
-from engine.speculative.step_cost import LinearCost, StepCostModel, TargetCost
+from engine.speculative.step_cost import HostCost, LinearCost, StepCostModel, TargetCost
 
 
 def test_linear_cost_recovers_intercept_and_slope_from_noiseless_data():
@@ -99,6 +101,20 @@ def test_a_size_with_its_own_error_learns_it_without_moving_the_others():
     assert cost(36, 0.0) == pytest.approx(profile(36, 0.0), rel=0.05)
 
 
+def test_the_host_work_of_each_source_is_told_apart_in_steps_that_mix_them():
+    host, rng = HostCost(), random.Random(0)
+    for _ in range(300):
+        counts = {"draft_model": rng.randint(0, 16), "suffix": rng.randint(0, 16)}
+        host.observe(counts, 1e-3 + 6e-5 * counts["draft_model"] + 2e-5 * counts["suffix"] + rng.gauss(0, 2e-5))
+    a, by_source = host.coefficients()
+    assert a == pytest.approx(1e-3, rel=0.05)
+    assert by_source["draft_model"] == pytest.approx(6e-5, rel=0.05)
+    assert by_source["suffix"] == pytest.approx(2e-5, rel=0.1)
+    pooled = host.pooled.coefficients()[1]
+    assert 2e-5 < pooled < 6e-5, "the pooled fit sits between them"
+    assert host.per_sequence("ngram") == pooled, "a source never seen: priced at the pooled fit"
+
+
 def test_parameters_name_every_term():
     model = StepCostModel(["draft_model"])
     assert set(model.parameters()) == {
@@ -107,6 +123,8 @@ def test_parameters_name_every_term():
         "draft_model_per_forward", "draft_model_per_token", "lookup_per_step", "lookup_per_sequence", "host_per_step",
         "host_per_sequence",
     }
+    model.host.observe({"suffix": 2}, 1e-4)
+    assert "host_per_sequence_suffix" in model.parameters()
 
 
 def test_a_plain_step_is_priced_on_the_decode_layout_and_drafts_on_the_verify_one():
