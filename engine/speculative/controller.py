@@ -42,6 +42,12 @@ class Decision:
     planned_drafts: int = 0
 
 
+def expected_drafts(plan: Plan, blocks: list[Block]) -> float:
+    """The drafts ``plan`` feeds, each sequence's weighted by the chance its source drafts at all."""
+    chance = {b.source: np.broadcast_to(np.asarray(b.chance, dtype=float), (len(plan.choices),)) for b in blocks}
+    return float(sum(k * chance[src][i] for i, (src, k) in enumerate(plan.choices) if k))
+
+
 class GoodputController:
     def __init__(self, k_max: int, drafters: list[str], lookups: list[str], margin: float = 0.02,
                  probe_interval: int = 16, replan_interval: int = 8, probe_budget: float = 0.01) -> None:
@@ -125,12 +131,18 @@ class GoodputController:
                extra_fixed: float = 0.0, extra_per_draft: float = 0.0, drafter: int | None = None,
                catch_up: np.ndarray | float = 0.0) -> Block:
         """``name``'s options for the step's sequences: its gains, priced at the target's per-token cost (plus
-        ``extra_per_draft``) and the host's per-sequence cost (plus ``extra_fixed`` and a catch-up)."""
+        ``extra_per_draft``) and the host's per-sequence cost (plus ``extra_fixed`` and a catch-up). ``scale`` [S]:
+        the chance each sequence drafts at all (a lookup not yet asked proposes with its track's share): its
+        gains and what drafting costs are expected values, since nothing is drafted, verified or paid for where
+        nothing is proposed; ``extra_fixed`` (asking) is paid either way. Priced whole, a lookup that proposed
+        on a third of its asks cost as if it always drafted, and a sequence whose output had not yet begun to
+        repeat was left plain and unasked until a probe, 16 steps at a time."""
         gains = self.acceptance[name].gains(tracks, scale)  # [S, K]
+        scale = np.broadcast_to(np.asarray(scale, dtype=float), (len(tracks),))  # [S]
         host = self.cost.host.per_sequence(name)
-        per_draft = self._per_token + extra_per_draft
-        fixed = np.broadcast_to(host + extra_fixed + np.asarray(catch_up, dtype=float), (len(tracks),))  # [S]
-        return Block(name, gains, caps, per_draft, fixed, drafter)
+        per_draft = scale * (self._per_token + extra_per_draft)  # [S]
+        fixed = scale * (host + np.asarray(catch_up, dtype=float)) + extra_fixed  # [S]
+        return Block(name, gains, caps, per_draft, fixed, drafter, scale)
 
     def _drafter_blocks(self, seqs: list[Sequence], adaptive: np.ndarray, lags: dict[str, np.ndarray]) -> list[Block]:
         lengths = np.array([s.num_tokens for s in seqs], dtype=float)
@@ -156,9 +168,9 @@ class GoodputController:
         best: Plan | None = None
         for around in (guess, guess * 2 if self._turn else max(1, guess // 2)):
             plain, jump, per_token = target.linearize(n, context, around)
-            priced = [replace(b, per_draft=b.per_draft + per_token) for b in blocks]
+            priced = [replace(b, per_draft=b.per_draft + b.chance * per_token) for b in blocks]
             plan = solve(n, plain, priced, per_forward, self.k_max, 0.0, step_fixed + host_a + jump)
-            drafts = sum(k for _, k in plan.choices)
+            drafts = expected_drafts(plan, priced)
             if drafts:
                 exact = plan.seconds - jump - per_token * drafts + target.extra(n, context, drafts)
                 plan = replace(plan, seconds=exact)

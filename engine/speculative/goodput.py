@@ -36,6 +36,7 @@ class Block:
     per_draft: np.ndarray  # [S] c: seconds one more draft adds to the step
     fixed: np.ndarray  # [S] f: seconds speculating adds to the step, however many drafts
     drafter: int | None = None  # index into the drafters' per-forward costs; None: a lookup (no forward)
+    chance: np.ndarray | float = 1.0  # [S] the chance a sequence drafts at all: its costs above are expectations
 
 
 @dataclass(frozen=True)

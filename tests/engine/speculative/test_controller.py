@@ -99,6 +99,28 @@ def test_a_lookup_is_priced_at_its_own_host_work_not_at_the_draft_models():
     assert not unseen.speculates
 
 
+@pytest.mark.parametrize(("proposes", "asked"), [(0.3, True), (0.02, False)])
+def test_a_lookup_is_asked_where_its_expected_drafts_pay(proposes, asked):
+    """A target step of 5 ms + 5 ms a token fed, asking the lookup 1 ms, and an n-gram lookup whose drafts hold
+    at 0.9, proposing on a share of its asks: a draft is paid for only where one is proposed, so at 0.3 asking
+    pays (4 drafts: 1.93 expected tokens for 1.7 plain steps); priced as if it always drafted (3.1 plain steps)
+    it did not, and the sequence stayed plain and unasked. At 0.02 the asking is not worth it."""
+    c = GoodputController(4, [], ["ngram"])
+    c.cost.target.set_profile([(n, 0.0, 0.005 + 5e-3 * n) for n in (1, 2, 3, 5, 9)])
+    for n in (1, 2):
+        c.cost.lookup.observe(n, 1e-3 * n)
+    acc, track, rng = c.acceptance["ngram"], SourceTrack(), random.Random(0)
+    for _ in range(400):
+        accepted = 0
+        while accepted < 4 and rng.random() < 0.9:
+            accepted += 1
+        acc.observe(track, 4, accepted)
+    seqs = batch(1)
+    seqs[0].draft.track("ngram").proposes = proposes
+    plan = c.before_lookups(seqs, np.ones(1, dtype=bool), {})
+    assert plan.speculates == asked and c.wants_lookups(plan) == asked
+
+
 def test_a_plain_plan_asks_no_lookup_until_a_probe_is_due():
     c = controller(1e-2)  # every token is dear: nothing pays
     c.probe_interval = 4
