@@ -132,3 +132,15 @@ def test_a_small_comparison_runs_end_to_end_and_every_system_writes_the_same_tex
     # depends on the host's timings, so the test holds the plot to the data, not to a choice).
     bound = ["run_bound.png"] if any(x.get("bound") for x in summary) else []
     assert sorted(p.name for p in out.parent.iterdir()) == sorted(["run.json", "run_throughput.png", *bound])
+
+
+def test_each_batch_takes_the_sets_next_prompts_and_counts_what_a_server_was_sent_before():
+    from compare import Batches
+
+    fresh = Batches({"code": ["a", "b", "c", "d", "e", "warm"]}, reuse=False)
+    assert fresh.next("code", 2) == (["a", "b"], 0)
+    assert fresh.next("code", 3) == (["c", "d", "e"], 0)
+    assert fresh.next("code", 2) == (["warm", "a"], 2), "past the end: the warm-up's prompt, then the first again"
+    reused = Batches({"code": ["a", "b", "c"]}, reuse=True)
+    assert reused.next("code", 2) == (["a", "b"], 0)
+    assert reused.next("code", 2) == (["a", "b"], 2)
