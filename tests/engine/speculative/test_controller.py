@@ -26,13 +26,19 @@ def controller(per_token: float, alpha: float = 0.7, k_max: int = 4) -> GoodputC
             fit.observe(n, a + b * n)
     for n in (1, 8):
         c.cost.host.observe({"draft_model": n}, 5e-5 * n)
-    acc, track, rng = c.acceptance["draft_model"], SourceTrack(), random.Random(0)
-    for _ in range(400):  # each draft held with probability alpha; well known: no exploration bonus to speak of
-        accepted = 0
-        while accepted < k_max and rng.random() < alpha:
-            accepted += 1
-        acc.observe(track, k_max, accepted)
+    hold(c, "draft_model", alpha, k_max)
     return c
+
+
+def hold(c: GoodputController, source: str, alpha: float, k: int, seed: int = 0) -> None:
+    """400 verified steps of ``k`` drafts from ``source``, each held with probability ``alpha``: well known, so no
+    exploration bonus to speak of."""
+    acc, track, rng = c.acceptance[source], SourceTrack(), random.Random(seed)
+    for _ in range(400):
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        acc.observe(track, k, accepted)
 
 
 def batch(n: int) -> list[Sequence]:
@@ -80,12 +86,7 @@ def test_a_lookup_is_priced_at_its_own_host_work_not_at_the_draft_models():
         for _ in range(100):  # steps mixing the two sources, or the draft model's alone
             d, g = rng.randint(0, 64), rng.randint(0, 64) if ngram_seen else 0
             c.cost.host.observe({"draft_model": d, "ngram": g}, 3e-3 * d + 1e-5 * g)
-        acc, track, rng = c.acceptance["ngram"], SourceTrack(), random.Random(1)
-        for _ in range(400):
-            accepted = 0
-            while accepted < 4 and rng.random() < 0.7:
-                accepted += 1
-            acc.observe(track, 4, accepted)
+        hold(c, "ngram", 0.7, 4, seed=1)
         seqs, on, lags = batch(64), np.ones(64, dtype=bool), {"draft_model": np.zeros(64)}
         for s in seqs:
             s.draft.proposals["ngram"] = [1, 2, 3, 4]
@@ -109,12 +110,7 @@ def test_a_lookup_is_asked_where_its_expected_drafts_pay(proposes, asked):
     c.cost.target.set_profile([(n, 0.0, 0.005 + 5e-3 * n) for n in (1, 2, 3, 5, 9)])
     for n in (1, 2):
         c.cost.lookup.observe(n, 1e-3 * n)
-    acc, track, rng = c.acceptance["ngram"], SourceTrack(), random.Random(0)
-    for _ in range(400):
-        accepted = 0
-        while accepted < 4 and rng.random() < 0.9:
-            accepted += 1
-        acc.observe(track, 4, accepted)
+    hold(c, "ngram", 0.9, 4)
     seqs = batch(1)
     seqs[0].draft.track("ngram").proposes = proposes
     plan = c.before_lookups(seqs, np.ones(1, dtype=bool), {})
