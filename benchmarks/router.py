@@ -33,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -60,37 +60,49 @@ def router_binary() -> str:
     return found
 
 
-class Router:
-    """vllm-router on a free loopback port in front of ``workers``, until ``stop``."""
+class Served:
+    """A server process on a free loopback port (``cmd`` gets the port), logging to ``log``, until ``stop``."""
 
-    def __init__(self, workers: Sequence[str], policy: str, log: Path) -> None:
+    def __init__(self, cmd: Callable[[int], list[str]], log: Path, what: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        # Its metrics exporter listens on a port of its own (29000 by default): one per router.
-        cmd = [router_binary(), "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
-               "--worker-urls", *workers, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        self.what = what
         self.log = open(log, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while not self._healthy():
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen(cmd(self.port), cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        """Until /health answers 200; an exit or the timeout stops it and raises."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"vllm-router did not start: see {log}")
+                raise RuntimeError(f"{self.what} did not start: see {self.log.name}")
             time.sleep(0.2)
-
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(self.url + "/health", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
 
     def stop(self) -> None:
         self.proc.terminate()
         try:
-            self.proc.wait(10)
+            self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
+
+class Router(Served):
+    """vllm-router in front of ``workers``, ready once constructed."""
+
+    def __init__(self, workers: Sequence[str], policy: str, log: Path) -> None:
+        # Its metrics exporter listens on a port of its own (29000 by default): one per router.
+        super().__init__(lambda port: [router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+                                       "--worker-urls", *workers, "--prometheus-host", "127.0.0.1",
+                                       "--prometheus-port", str(free_port())], log, "vllm-router")
+        self.wait_ready(60)
 
 
 @dataclass(frozen=True)
@@ -154,35 +166,12 @@ def served(url: str) -> float:
                if line.startswith("specd:request_success_total{"))
 
 
-class Replica:
+class Replica(Served):
+    """``specd serve`` on the embedded pair: no compile, no speculation (caching is what is measured)."""
+
     def __init__(self, log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log, "w")  # noqa: SIM115
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-        cmd = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--compile", "off", "--speculative-method", "none"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"replica did not start: see {self.log.name}")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        super().__init__(lambda port: [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port",
+                                       str(port), "--compile", "off", "--speculative-method", "none"], log, "replica")
 
 
 def run_config(name: str, replicas: int, policy: str | None, docs: list[str], pairs: list[tuple[int, int]],
