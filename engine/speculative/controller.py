@@ -96,6 +96,15 @@ class GoodputController:
         self.decision = Decision(PLAIN, 1.0, 0)
         return True
 
+    def asks_again(self) -> bool:
+        """Whether the lookups are asked this step without a plan from expectations first: the last step
+        speculated, so a first plan would most likely speculate too and be remade from the real proposals (two
+        solves of the batch where one does)."""
+        if self.decision.mode != SPECULATE or not self.lookups:
+            return False
+        self._since_asked = 0
+        return True
+
     def wants_lookups(self, plan: Plan) -> bool:
         """Whether to ask the lookups this step: the first plan speculates (asking is cheap beside a speculative
         step, and a real proposal may beat what was expected), or a probe is due."""

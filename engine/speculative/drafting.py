@@ -117,9 +117,9 @@ class Drafting:
             return
         on = np.array(adaptive)
         lags = {s.name: np.array([s.lag(seq) if a else 0 for seq, a in zip(seqs, adaptive)]) for s in self.drafters}
-        plan = c.before_lookups(seqs, on, lags)
-        asked = c.wants_lookups(plan)
-        if asked:
+        plan = None if c.asks_again() else c.before_lookups(seqs, on, lags)
+        asked = plan is None or c.wants_lookups(plan)
+        if asked or plan is None:
             asking = [seq for seq, a in zip(seqs, adaptive) if a]
             t0 = time.perf_counter()
             for lookup in self.lookups:

@@ -5,19 +5,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
 _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
     """Decodes one token at a time without ever emitting half a multi-byte character: text is
     released only once a decoded window no longer ends in U+FFFD. Decoding a short window that
-    starts a few tokens back keeps leading-space handling of byte-level BPE right."""
+    starts a few tokens back keeps leading-space handling of byte-level BPE right.
+
+    Where the tokenizer is a fast one that cleans up no spaces (the decode is then its Rust
+    tokenizer's alone), the tokenizers library's own ``DecodeStream`` does the same per token in Rust:
+    two Python-level decodes per token took a third of a 64-sequence compiled decode step's host
+    work. The windows stay tracked, for ``flush``."""
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids[-6:])  # context only; never emitted
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._stream: tuple[Any, Any] | None = None
+        if isinstance(backend, Tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+            self._stream = (DecodeStream(ids=list(self.ids), skip_special_tokens=True), backend)
 
     def _pending(self) -> tuple[str, str]:
         decode = self.tokenizer.decode
@@ -27,6 +39,12 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
+        if self._stream is not None:
+            stream, backend = self._stream
+            text = stream.step(backend, token_id)
+            if text:
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return text or ""
         prefix, full = self._pending()
         if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)

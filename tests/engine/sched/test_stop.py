@@ -255,6 +255,47 @@ def test_incremental_detokenizer_on_a_long_stream_matches_a_full_decode(tok):
     assert out == tok.decode(ids) == text
 
 
+
+def metaspace_tokenizer(out):
+    """A sentencepiece-like tokenizer (Metaspace word starts, byte fallback): Llama's decoding, not GPT-2's."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.tiny_models import CORPUS
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>",
+                                                                                               *bytes_],
+                                                             show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.clean_up_tokenization_spaces = False
+    return fast
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_the_rust_decode_stream_gives_the_windowed_decodes_deltas(tok, tmp_path, kind):
+    """The fast path (tokenizers' DecodeStream) against the windowed Python decodes it replaces, token by token,
+    on random ids with special tokens and lone bytes among them, and on text with multi-byte characters."""
+    import random
+
+    t = tok if kind == "byte-level" else metaspace_tokenizer(tmp_path)
+    rng = random.Random(kind)
+    streams = [t.encode("héllo wörld ✓ 😀 敼本書 def f(x):\n    return x")]
+    streams += [[rng.randrange(len(t)) for _ in range(200)] for _ in range(20)]
+    for ids in streams:
+        prompt = t.encode("def fib(n):")
+        fast, slow = IncrementalDetokenizer(t, prompt), IncrementalDetokenizer(t, prompt)
+        assert fast._stream is not None
+        slow._stream = None
+        assert [fast.add(i) for i in ids] == [slow.add(i) for i in ids]
+        assert fast.flush() == slow.flush()
+
+
 def test_stop_checker_deltas_never_split_multibyte_characters(tok):
     text = "héllo wörld ✓ 😀 end"
     checker, seq = start(tok, stop=["zzz"], max_tokens=len(tok.encode(text)))

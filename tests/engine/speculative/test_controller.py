@@ -214,3 +214,20 @@ def test_probes_thin_out_where_asking_the_whole_batch_costs_more_than_their_budg
     c._since_asked = 0
     gaps = np.diff(probes(200))
     assert len(gaps) and all(g == 40 for g in gaps), gaps
+
+
+def test_after_a_speculating_step_the_lookups_are_asked_without_a_plan_from_expectations():
+    """A step after one that speculated asks the lookups straight away (one solve of the batch, on the real
+    proposals); after a plain or probing step it plans from expectations first, so a plain step asks nothing."""
+    c = controller(1e-6)  # every draft is cheap: the draft model's plan speculates
+    seqs = batch(8)
+    on, lags = np.ones(8, dtype=bool), {"draft_model": np.zeros(8)}
+    assert not c.asks_again()  # nothing decided yet
+    c.decide(c.before_lookups(seqs, on, lags), probed=False)
+    assert c.decision.mode == "speculate" and c.asks_again()
+    dear = controller(1e-2)
+    dear.decide(dear.before_lookups(seqs, on, lags), probed=True)
+    assert dear.decision.mode == "probe" and not dear.asks_again()
+    no_lookups = GoodputController(4, ["draft_model"], [])
+    no_lookups.decision = c.decision
+    assert not no_lookups.asks_again()  # nothing to ask: the first plan is the plan
