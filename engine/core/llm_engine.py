@@ -18,8 +18,9 @@ from engine.sample.verifier import Verifier
 from engine.sched.block_manager import BlockManager
 from engine.sched.scheduler import Scheduler
 from engine.sched.stop import StopChecker
+from engine.speculative.assemble import make_drafting
 from engine.speculative.controller import GoodputController
-from engine.speculative.drafting import Drafts, make_drafting
+from engine.speculative.drafting import Drafts
 from engine.structured.grammar import GrammarBackend
 from engine.structured.healing import heal
 from engine.types.config import EngineConfig
@@ -69,7 +70,12 @@ class LLMEngine:
         self.compile_mode = loaded.compile_mode  # config.compile as resolved here (AUTO is gone)
         self._compiled = [r.compiled for r in (loaded.target, loaded.draft, loaded.early_exit)
                           if r is not None and getattr(r, "compiled", None) is not None]
-        # Started after make_drafting's calibration, whose timed forwards are eager then, as the first steps are.
+        # Started after make_drafting's calibration, whose timed forwards are eager then, as the first steps are;
+        # then profiled again in the compile's blocks once the compiled forwards serve.
+        if loaded.background is not None and self.drafting is not None and self.drafting.reprofile is not None:
+            redo, cache = self.drafting.reprofile, self.target.cache
+            assert cache is not None
+            loaded.background.then(lambda: redo(loaded.num_blocks, cache.num_blocks))
         self.background_compile = loaded.background.start() if loaded.background is not None else None
 
     @property

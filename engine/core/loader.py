@@ -14,6 +14,7 @@ from engine.core.plan_sizes import plan_loaded
 from engine.models import exit_head
 from engine.models.eagle_head import ARCHITECTURE, is_eagle_head
 from engine.models.exit_head import ExitHead
+from engine.speculative.calibrate import profile_blocks
 from engine.speculative.eagle import EagleRunner
 from engine.types.config import CompileMode, EngineConfig, SpeculativeMethod
 from engine.worker.compiled import BackgroundWarmUp, resolve_mode
@@ -169,8 +170,14 @@ def load(config: EngineConfig) -> Loaded:
         logger.warning(warning)
     logger.info("%s", plan.describe())
     max_model_len, num_blocks, block_bytes, sizing = plan.max_model_len, plan.num_blocks, plan.block_bytes, plan.sizing
-    # A background compile writes its warm-up forwards into blocks of its own, past the block manager's.
-    reserved = ModelRunner.warm_up_blocks(config.k_max, config.block_size) if mode is CompileMode.BACKGROUND else 0
+    # A background compile writes its warm-up forwards into blocks of its own, past the block manager's, and then
+    # the goodput controller's profile of the compiled forwards (up to a sixteenth more blocks than the plan's).
+    reserved = 0
+    if mode is CompileMode.BACKGROUND:
+        adaptive = config.speculates and config.num_speculative_tokens is None
+        profile = profile_blocks(config.k_max, config.block_size, config.max_num_batched_tokens,
+                                 config.max_num_seqs) if adaptive else 0
+        reserved = max(ModelRunner.warm_up_blocks(config.k_max, config.block_size), min(profile, num_blocks // 16))
     target.allocate_cache(num_blocks + reserved, config.block_size)
     if draft:
         draft.allocate_cache(num_blocks + reserved, config.block_size)

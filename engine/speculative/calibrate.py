@@ -9,6 +9,7 @@ import time
 
 from engine.speculative.controller import GoodputController
 from engine.speculative.eagle import EagleRunner
+from engine.speculative.step_cost import LinearCost
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.model_runner import ModelRunner
 
@@ -48,29 +49,48 @@ def _spikes(runs: list[tuple[int, int, int]], seconds: list[float]) -> list[int]
     return out
 
 
-def calibrate(controller: GoodputController, target: ModelRunner, drafters: dict[str, ModelRunner | EagleRunner | None],
-              block_size: int, max_tokens: int, num_blocks: int, max_seqs: int) -> None:
-    """Writes into blocks nobody owns yet; their contents are garbage-by-design. ``drafters``: the runner
-    behind each model drafter's forwards, by source name; ``max_tokens``: the most a step feeds."""
-    k_max = controller.k_max
-    # The layouts of the steps being priced: one sequence decoding or verifying 1, 2, k_max / 2 or k_max drafts,
-    # 2 to 64 sequences each verifying k_max, 2 to 64 decoding (the layouts a compiled runner warmed up, so a
-    # compiled runner is timed compiled); each after a short cached context, the decode and the full verify after
-    # a longer one too (what context adds). The verifies reach the largest batch: a plan for 64 sequences priced
-    # past the profile's end would follow its last segment, and a forward's cost is not that straight.
+def _runs(k_max: int, block_size: int, max_tokens: int, blocks: int, max_seqs: int) -> list[tuple[int, int, int]]:
+    """The profiled forwards, as (sequences, tokens each, context before): one sequence decoding or verifying 1, 2,
+    k_max / 2 or k_max drafts, 2 to 64 sequences each verifying k_max, 2 to 64 decoding (the layouts a compiled
+    runner warmed up, so a compiled runner is timed compiled); each after a short cached context, the decode and
+    the full verify after a longer one too (what context adds). The verifies reach the largest batch: a plan for
+    64 sequences priced past the profile's end would follow its last segment, and a forward's cost is not that
+    straight. Only those whose blocks fit in ``blocks``."""
     verify = k_max + 1
-    room = num_blocks * block_size  # a tiny cache (a test's) still gets a profile, of the sizes it holds
+    room = blocks * block_size  # a tiny cache (a test's) still gets a profile, of the sizes it holds
     short, long = block_size, min(16 * block_size, 256, room // 4)
     per_seq = -(-(short + verify) // block_size)
     runs = [(1, n, short) for n in sorted({1, 2, 3, k_max // 2 + 1, verify})]
     runs += [(b, verify, short) for b in (2, 4, 8, 16, 32, 64)
-             if b <= max_seqs and b * verify <= max_tokens and b * per_seq <= num_blocks]
-    runs += [(b, 1, short) for b in (2, 4, 8, 16, 32, 64) if b <= max_seqs and b * per_seq <= num_blocks]
-    runs += [(1, n, long) for n in (1, verify) if -(-(long + n) // block_size) <= num_blocks]
+             if b <= max_seqs and b * verify <= max_tokens and b * per_seq <= blocks]
+    runs += [(b, 1, short) for b in (2, 4, 8, 16, 32, 64) if b <= max_seqs and b * per_seq <= blocks]
+    runs += [(1, n, long) for n in (1, verify) if -(-(long + n) // block_size) <= blocks]
+    return runs
+
+
+def profile_blocks(k_max: int, block_size: int, max_tokens: int, max_seqs: int) -> int:
+    """The most blocks the profile's forwards write into, given all they could want."""
+    runs = _runs(k_max, block_size, max_tokens, 1 << 30, max_seqs)
+    return max(b * -(-(start + n) // block_size) for b, n, start in runs)
+
+
+def calibrate(controller: GoodputController, target: ModelRunner, drafters: dict[str, ModelRunner | EagleRunner | None],
+              block_size: int, max_tokens: int, num_blocks: int, max_seqs: int, first_block: int = 0,
+              when: str = "at start-up", seed_host: bool = True) -> None:
+    """Profiles the target's forwards and each model drafter's into the step-cost model; writes into blocks
+    ``first_block`` to ``num_blocks``, which nobody may own (their contents are garbage-by-design). ``drafters``:
+    the runner behind each model drafter's forwards, by source name; ``max_tokens``: the most a step feeds.
+    ``seed_host``: seed the host terms with a prior (the first profile); a later one (``when``: the compiled
+    forwards took over) re-times the forwards alone, and the host terms keep what the steps taught them."""
+    k_max = controller.k_max
+    verify = k_max + 1
+    blocks = num_blocks - first_block
+    runs = _runs(k_max, block_size, max_tokens, blocks, max_seqs)
+    short = block_size
     batches = []
     for b, n, start in runs:
         per = -(-(start + n) // block_size)
-        tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
+        tables = [list(range(first_block + i * per, first_block + (i + 1) * per)) for i in range(b)]
         batches.append(ForwardBatch([[0] * n] * b, [start] * b, tables, [n] * b))
     seconds = _timed(target, batches)
     for _ in range(RETRIES):
@@ -87,12 +107,15 @@ def calibrate(controller: GoodputController, target: ModelRunner, drafters: dict
         if runner is None:
             continue
         sizes = (1, verify)
-        timed = _timed(runner, [ForwardBatch([[0] * n], [short], [list(range(-(-(short + n) // block_size)))], [n])
+        table = list(range(first_block, first_block + -(-(short + verify) // block_size)))
+        timed = _timed(runner, [ForwardBatch([[0] * n], [short], [table[: -(-(short + n) // block_size)]], [n])
                                 for n in sizes])
+        fit = controller.cost.drafters[name] = LinearCost()  # the forward in use now, not the one before
         for n, t in zip(sizes, timed):
-            controller.cost.drafters[name].observe(n, t)
-    for fit in (controller.cost.lookup, controller.cost.host.pooled, controller.cost.host_plain):
-        fit.observe(1, HOST_PRIOR_SECONDS)
-        fit.observe(8, 8 * HOST_PRIOR_SECONDS)
-    logger.info("goodput controller: step cost model at start-up %s",
+            fit.observe(n, t)
+    if seed_host:
+        for fit in (controller.cost.lookup, controller.cost.host.pooled, controller.cost.host_plain):
+            fit.observe(1, HOST_PRIOR_SECONDS)
+            fit.observe(8, 8 * HOST_PRIOR_SECONDS)
+    logger.info("goodput controller: step cost model %s %s", when,
                 ", ".join(f"{k} {1e3 * v:.3f} ms" for k, v in controller.cost.parameters().items()))

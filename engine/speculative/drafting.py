@@ -13,26 +13,22 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine.speculative.calibrate import calibrate
 from engine.speculative.controller import Decision, GoodputController
-from engine.speculative.draft_model import DraftModelSource
-from engine.speculative.eagle import EagleRunner, EagleSource
+from engine.speculative.eagle import EagleSource
 from engine.speculative.forced import FORCED, grammatical, with_forced
-from engine.speculative.ngram import LookupSource
-from engine.speculative.self_draft import SelfDraftSource
 from engine.speculative.source import DraftRequest, DraftSource
 from engine.speculative.suffix import SuffixSource
-from engine.types.config import EngineConfig, SpeculativeMethod
+from engine.types.config import EngineConfig
 from engine.types.outputs import Verdict
 from engine.types.schedule import ScheduledSeq
 from engine.types.sequence import Sequence
 from engine.types.stats import shares
-from engine.worker.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -58,6 +54,8 @@ class Drafting:
         self.decision = Decision(mode="")  # the controller's, for the step planned last
         self._lookup_seconds = 0.0
         self._pending: tuple[Counter[str], int, float] | None = None  # (speculating by source, scheduled, timed s)
+        # Profiles the step-cost model again, into blocks [first, end) nobody owns: once compiled forwards took over
+        self.reprofile: Callable[[int, int], None] | None = None
 
     @property
     def lookup(self) -> DraftSource | None:
@@ -269,32 +267,3 @@ class Drafting:
                     if share.source == d.source:
                         c.acceptance[d.source].observe(d.track(d.source), share.drafted, share.accepted)
 
-
-def make_drafting(config: EngineConfig, target: ModelRunner, draft: ModelRunner | EagleRunner | None,
-                  early_exit: ModelRunner | None, eos_ids: tuple[int, ...]) -> Drafting | None:
-    """``draft``: the draft model's runner or an EAGLE head's; ``early_exit``: the target's first layers
-    (self-speculation)."""
-    if not config.speculates:
-        return None
-    method = config.speculative_method
-    drafters: list[tuple[DraftSource, ModelRunner | EagleRunner | None]] = []
-    if isinstance(draft, EagleRunner):
-        drafters.append((EagleSource(draft, target, eos_ids), draft))
-    elif draft is not None:
-        drafters.append((DraftModelSource(draft, target.vocab_size, eos_ids), draft))
-    if early_exit is not None:
-        drafters.append((SelfDraftSource(early_exit, target.vocab_size, eos_ids), early_exit))
-    lookups: list[DraftSource] = []
-    # At a fixed k the hybrid has no rates to compare: a lookup takes the step on a suffix match of two or
-    # more tokens (a lone token recurs nearly everywhere, and its guesses rarely hold).
-    strict = method is SpeculativeMethod.HYBRID and config.num_speculative_tokens is not None
-    if config.uses_lookup:
-        lookups.append(LookupSource(config.ngram_max, max(2, config.ngram_min) if strict else config.ngram_min))
-    if config.uses_suffix:
-        lookups.append(SuffixSource(config.suffix_cache_requests, config.suffix_max_draft, 2 if strict else 1))
-    controller = None
-    if config.num_speculative_tokens is None:
-        controller = GoodputController(config.k_max, [s.name for s, _ in drafters], [s.name for s in lookups])
-        calibrate(controller, target, {s.name: r for s, r in drafters}, config.block_size,
-                  config.max_num_batched_tokens, target.cache.num_blocks, config.max_num_seqs)
-    return Drafting(config, [source for source, _ in drafters], lookups, controller)

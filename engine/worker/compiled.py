@@ -195,6 +195,11 @@ class BackgroundWarmUp:
             shield_from_tracing(compiled.model)
             compiled.warming_in = self.thread
         self.seconds: float | None = None  # all of it, once done
+        self._then: list[Callable[[], object]] = []
+
+    def then(self, job: Callable[[], object]) -> None:
+        """Run ``job`` in the thread once every model serves compiled (before ``start``)."""
+        self._then.append(job)
 
     def start(self) -> BackgroundWarmUp:
         self.thread.start()
@@ -233,6 +238,11 @@ class BackgroundWarmUp:
         for compiled, _ in self.jobs:
             compiled.warming_in = None
         self.seconds = time.perf_counter() - t0
-        sys.setswitchinterval(interval)
         logger.info("background compile done in %.1fs: %s", self.seconds,
                     ", ".join(f"{c.name} {c.state}" for c, _ in self.jobs))
+        for job in self._then:
+            try:
+                job()
+            except Exception:
+                logger.exception("after the background compile, %r failed", job)
+        sys.setswitchinterval(interval)

@@ -79,3 +79,37 @@ def test_a_size_that_really_costs_more_keeps_its_price(monkeypatch):
     """On a CPU 2 or 3 tokens can cost more than 5 (other kernels): measured again, and kept as measured."""
     target = profile(monkeypatch, lambda call, tokens: 0.05 if tokens == 2 else 0.0).cost.target
     assert target(2, 0.0, True) == pytest.approx(FakeRunner.cost(2) + 0.05, rel=0.02)
+
+
+def test_a_later_profile_writes_only_into_the_blocks_it_is_given_and_keeps_the_host_terms(monkeypatch):
+    """Once the compiled forwards serve, the profile is taken again in the background compile's own blocks
+    (sequences own the rest): every table stays inside them, the target and drafter terms are the new forwards',
+    and the host terms keep what the steps taught them rather than a start-up prior."""
+    clock = Clock()
+    monkeypatch.setattr(calibration, "time", clock)
+    controller = GoodputController(K_MAX, ["draft_model"], ["ngram"])
+    slow, fast = FakeRunner(clock, lambda call, tokens: 0.0), FakeRunner(clock, lambda call, tokens: 0.0)
+    calibration.calibrate(controller, slow, {"draft_model": slow}, block_size=16, max_tokens=2048, num_blocks=4096,
+                          max_seqs=64)
+    for n in (1, 8):  # what the steps taught: dearer than the prior
+        controller.cost.host.pooled.observe(n, 1e-3 * n)
+    host = controller.cost.parameters()["host_per_sequence"]
+
+    tables: list[int] = []
+    fast.cost = lambda tokens: 0.001 + 1e-5 * tokens  # type: ignore[method-assign]
+    forward = fast.forward
+
+    def recording(batch: ForwardBatch) -> None:
+        tables.extend(b for table in batch.block_tables for b in table)
+        forward(batch)
+
+    fast.forward = recording  # type: ignore[method-assign]
+    first, end = 4000, 4000 + calibration.profile_blocks(K_MAX, 16, 2048, 64)
+    calibration.calibrate(controller, fast, {"draft_model": fast}, block_size=16, max_tokens=2048, num_blocks=end,
+                          max_seqs=64, first_block=first, seed_host=False)
+    assert tables and min(tables) >= first and max(tables) < end
+    params = controller.cost.parameters()
+    assert params["target_decode_1_tokens"] == pytest.approx(fast.cost(1), rel=0.02)
+    assert params["target_verify_576_tokens"] == pytest.approx(fast.cost(576), rel=0.02), "the largest verify fits"
+    assert params["draft_model_per_forward"] == pytest.approx(0.001, rel=0.05), "the old forwards' fit is gone"
+    assert params["host_per_sequence"] == host

@@ -4,6 +4,7 @@ fails falls back to eager with the same output."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import torch
 
 from engine import LLM, CompileMode, SamplingParams
 from engine.layers import small_linear
+from engine.speculative import calibrate as calibration
+from engine.speculative.calibrate import profile_blocks
 from engine.worker.compiled import BackgroundWarmUp
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.model_runner import ModelRunner
@@ -149,14 +152,34 @@ def test_the_target_and_the_draft_keep_their_compiled_graphs_apart(compiled_llm)
         assert _debug_get_cache_entry_list(runner.compiled.entry.__code__), f"{runner.name}: no graph on its entry"
 
 
-def test_the_adaptive_calibration_times_compiled_forwards(pair8):
-    """The start-up timings that seed adaptive k are of the layouts the warm-up compiled, not eager ones. Prompt
-    lookup drafts here, so only the target compiles (a minute less of the suite): a draft model's timed forwards
-    are the target's same two layouts."""
+def test_the_adaptive_calibration_times_compiled_forwards_once_they_serve(pair8, caplog):
+    """The timings that seed adaptive k are of the forwards in use: eager ones at start-up while the background
+    compile runs, then the layouts the warm-up compiled, re-timed in the compile's own blocks once they serve
+    (blocks no sequence owns: the outputs stay the target's). Prompt lookup drafts here, so only the target
+    compiles (a minute less of the suite): a draft model's timed forwards are the target's same two layouts."""
+    caplog.set_level(logging.INFO, logger="engine.speculative.calibrate")
     llm = LLM(model=str(pair8 / "target"), speculative_method="ngram", dtype="float32", device="cpu",
-              compile=True)  # adaptive k: calibrated at start-up
-    target = llm.engine.target
-    assert target.compiled.calls > 0 and target.compiled.uncompiled == 0
+              compile="background")  # adaptive k: profiled at start-up
+    engine, target = llm.engine, llm.engine.target
+    config = engine.config
+    profile = profile_blocks(config.k_max, config.block_size, config.max_num_batched_tokens, config.max_num_seqs)
+    reserved = target.cache.num_blocks - engine.block_manager.num_blocks
+    assert reserved == max(ModelRunner.warm_up_blocks(config.k_max, config.block_size),
+                           min(profile, engine.block_manager.num_blocks // 16))
+    eager = engine.controller.cost.parameters()
+    ref = Reference(pair8 / "target", eos=7)
+    while engine.compile_state == "compiling":  # served meanwhile: the re-profile must not touch their blocks
+        for p, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
+            assert_same_as_target(ref, p, out.token_ids, "while compiling and re-profiling")
+        time.sleep(0.5)  # room for the compile (the GIL is shared)
+    assert engine.background_compile.join(timeout=1800)
+    assert "step cost model once the compiled forwards took over" in caplog.text
+    runs = calibration._runs(config.k_max, config.block_size, config.max_num_batched_tokens, reserved,
+                             config.max_num_seqs)
+    assert target.compiled.calls >= calibration.PASSES * len(runs) and target.compiled.uncompiled == 0
+    assert engine.controller.cost.parameters()["target_decode_1_tokens"] != eager["target_decode_1_tokens"]
+    for p, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
+        assert_same_as_target(ref, p, out.token_ids, "after the re-profile")
 
 
 def test_a_layout_the_warm_up_did_not_compile_runs_eagerly_instead_of_stalling_to_compile(compiled_llm):

@@ -43,3 +43,23 @@ def test_background_becomes_start_where_it_cannot_run_beside_serving_and_the_oth
     assert resolve_mode(CompileMode.BACKGROUND, CPU, torch.float32, False, True) is CompileMode.START
     for mode in (CompileMode.OFF, CompileMode.START):
         assert resolve_mode(mode, CUDA, torch.bfloat16, True, True) is mode
+
+
+def test_what_runs_after_a_background_compile_sees_the_compiled_forwards_and_a_failure_is_only_logged(caplog):
+    """Jobs given to ``then`` run in the compile's thread once every model serves compiled (the goodput
+    controller's profile is taken again there); one that fails is logged, and the compile stays done."""
+    from engine.worker.compiled import BackgroundWarmUp, CompiledForward
+
+    forward = CompiledForward(torch.nn.Linear(2, 2), "tiny")
+    seen: list[object] = []
+
+    def later() -> None:
+        seen.append(forward.warming_in)
+        raise RuntimeError("a profile that failed")
+
+    background = BackgroundWarmUp([(forward, lambda: None)])
+    background.then(later)
+    background.then(lambda: seen.append(forward.state))
+    assert background.start().join(timeout=60)
+    assert seen == [None, "compiled"]
+    assert "after the background compile" in caplog.text and "a profile that failed" in caplog.text
