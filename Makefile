@@ -6,7 +6,7 @@ PORT ?= 8000
 # The CPU wheel of torch already on these machines; a GPU host's image brings its own torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install serve test lint bench compare default-pair eval-pair constraints clean
+.PHONY: install serve test lint bench compare default-pair eval-pair compile-cache constraints clean
 
 # The Dockerfile runs the same two pip install commands (tests/docker checks), without -e and [dev].
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -43,6 +43,10 @@ default-pair: install
 
 eval-pair: install
 	$(PY) -m recipe.evaluate
+
+# The embedded pair's compile cache, shipped beside it so a first start compiles as a warm one (~10 min).
+compile-cache: install
+	$(PY) -m recipe.compile_cache
 
 # Re-pin every dependency to what the venv holds, except torch and the packages only torch needs: the CUDA
 # image keeps its own torch, and that torch's exact pins (sympy, ...) must not meet ours.

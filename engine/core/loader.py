@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from engine.models.exit_head import ExitHead
 from engine.speculative.calibrate import profile_blocks
 from engine.speculative.eagle import EagleRunner
 from engine.types.config import CompileMode, EngineConfig, SpeculativeMethod
+from engine.worker import compile_cache
 from engine.worker.compiled import BackgroundWarmUp, resolve_mode
 from engine.worker.graphs import Buckets
 from engine.worker.host_memory import keep_freed_memory
@@ -131,6 +133,8 @@ def load(config: EngineConfig) -> Loaded:
     split = config.device_map is not None
     mode = resolve_mode(config.compile, device, resolve_dtype(config.dtype, device), split, eagle)  # type: ignore[arg-type]
     compiles = mode is not CompileMode.OFF
+    if compiles and device.type == "cpu" and os.path.isdir(config.model):
+        compile_cache.seed(config.model)  # a cache shipped with the model: a first start compiles as a warm one
     target = ModelRunner.load(config.model, config.dtype, config.device, config.trust_remote_code, config.device_map,
                          compiles)
     if "cpu" in {d.type for d in target.layer_devices or [target.device]}:
