@@ -21,6 +21,7 @@ from engine.types.outputs import CompletionOutput, RequestOutput
 from engine.types.sampling_params import SamplingParams
 from engine.types.sequence import TokenLogprob
 from engine.types.stats import SourceStats, StepStats, StepTotals
+from engine.worker.compile_cache import pack as pack_compile_cache
 
 __all__ = [
     "GRAMMAR_SOURCE",
@@ -50,6 +51,7 @@ __all__ = [
     "decoder_layers",
     "dry_run",
     "exit_head",
+    "pack_compile_cache",
     "parse_size",
     "save_head",
     "truncate",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.worker.compile_cache import pack
+from engine import pack_compile_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("recipe.compile_cache")
@@ -56,7 +56,7 @@ def build(target: Path, timeout: float) -> Path:
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-        archive = pack(Path(cache), target)
+        archive = pack_compile_cache(Path(cache), target)
     logger.info("wrote %s (%.1f MiB)", archive, archive.stat().st_size / 2**20)
     return archive
 
