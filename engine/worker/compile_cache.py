@@ -68,8 +68,13 @@ def seed(model_dir: str | os.PathLike[str]) -> bool:
     # Unpacked beside the cache, then each file renamed into it: another process compiling meanwhile reads a
     # file whole or not at all.
     with tempfile.TemporaryDirectory(dir=target, prefix=".specd-unpack-") as staging:
-        with tarfile.open(archive) as tar:
-            tar.extractall(staging, filter="data")  # no links out of it, no absolute paths
+        try:
+            with tarfile.open(archive) as tar:
+                tar.extractall(staging, filter="data")  # no links out of it, no absolute paths
+        except (tarfile.TarError, OSError) as exc:  # a damaged archive costs a compile, not the server
+            logger.warning("the compile cache shipped in %s could not be unpacked (%s); compiling from scratch",
+                           model_dir, exc)
+            return False
         for path in sorted(Path(staging).rglob("*")):
             if path.is_file():
                 dest = target / path.relative_to(staging)

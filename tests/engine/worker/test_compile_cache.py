@@ -51,17 +51,23 @@ def test_a_model_without_a_shipped_cache_is_left_alone(tmp_path, inductor_cache)
     assert not compile_cache.seed(tmp_path)
 
 
-def test_an_archive_cannot_write_outside_the_cache(tmp_path, inductor_cache):
+@pytest.mark.parametrize("damage", ["a path outside", "not an archive"])
+def test_an_archive_that_cannot_be_unpacked_safely_costs_a_compile_not_the_server(tmp_path, inductor_cache, caplog,
+                                                                                  damage):
     model = tmp_path / "model"
     model.mkdir()
-    outside = tmp_path / "evil"
-    outside.write_text("x")
-    with tarfile.open(model / compile_cache.ARCHIVE, "w:xz") as tar:
-        tar.add(outside, arcname="../escaped")
+    if damage == "a path outside":
+        outside = tmp_path / "evil"
+        outside.write_text("x")
+        with tarfile.open(model / compile_cache.ARCHIVE, "w:xz") as tar:
+            tar.add(outside, arcname="../../escaped")
+    else:
+        (model / compile_cache.ARCHIVE).write_bytes(b"truncated")
     (model / compile_cache.MANIFEST).write_text(json.dumps(compile_cache.machine()))
-    with pytest.raises(tarfile.OutsideDestinationError):
-        compile_cache.seed(model)
-    assert not (inductor_cache.parent / "escaped").exists()
+    assert not compile_cache.seed(model)
+    assert "could not be unpacked" in caplog.text
+    assert not list(tmp_path.rglob("escaped"))
+    assert not compile_cache.seed(model) and caplog.text.count("could not be unpacked") == 2, "no marker was left"
 
 
 def test_the_embedded_pairs_cache_names_every_field_a_machine_is_checked_on():
