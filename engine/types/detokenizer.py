@@ -18,8 +18,8 @@ class IncrementalDetokenizer:
 
     Where the tokenizer is a fast one that cleans up no spaces (the decode is then its Rust
     tokenizer's alone), the tokenizers library's own ``DecodeStream`` does the same per token in Rust:
-    two Python-level decodes per token took a third of a 64-sequence compiled decode step's host
-    work. The windows stay tracked, for ``flush``."""
+    0.8 us a token against 4.9 for the two Python-level decodes (the embedded pair's tokenizer), about
+    0.3 ms of a 64-sequence decode step. The windows stay tracked, for ``flush``."""
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
         self.tokenizer = tokenizer
