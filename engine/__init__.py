@@ -2,7 +2,8 @@
 
 This module and ``engine.llm`` are the engine's public face: server/ and recipe/ import from here only (an
 import-linter contract in pyproject.toml holds them to it). Below it the subpackages, each importing only
-those listed after it: core, speculative, sample | worker, models | sched | structured | layers, types | native."""
+those listed after it: core, speculative | parallel, sample | worker, models | sched | structured | layers,
+types | native."""
 
 from engine.core.audit import AuditResult
 from engine.core.dry_run import DryRun, dry_run
@@ -13,6 +14,7 @@ from engine.models import exit_head
 from engine.models.eagle_head import Eagle3Head, aux_layer_ids, save_head
 from engine.models.early_exit import decoder_layers, truncate
 from engine.models.exit_head import ExitHead
+from engine.parallel.worker import follow_rank
 from engine.types.config import CompileMode, EngineConfig, SpeculativeMethod
 from engine.types.constraint import Constraint, ConstraintKind
 from engine.types.draft_state import GRAMMAR_SOURCE
@@ -51,6 +53,7 @@ __all__ = [
     "decoder_layers",
     "dry_run",
     "exit_head",
+    "follow_rank",
     "pack_compile_cache",
     "parse_size",
     "save_head",

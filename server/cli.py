@@ -84,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if flags.get("dry_run"):
         return dry_run(config, flags.get("device_memory"))
+    if int(os.environ.get("RANK", "0")) > 0:
+        # Under torchrun every rank runs this command: the ones above 0 follow rank 0, which serves.
+        from engine import follow_rank
+
+        return follow_rank(config.device)
     return serve(config)
 
 

@@ -95,6 +95,10 @@ class ServerConfig:
         None, "split the target across GPUs with accelerate: `auto`, `balanced`, `balanced_low_0`, `sequential` or "
         "a JSON object of module -> device (in YAML, a mapping)", engine=True, from_yaml=_json_text,
     )
+    tensor_parallel_size: int = option(
+        1, "shard the target over this many ranks, one process each (GPUs with NCCL, CPU processes with gloo); "
+        "specd starts the other ranks itself, or runs under `torchrun --nproc-per-node N`", engine=True,
+    )
     max_model_len: int | None = option(None, "context length", engine=True, shown_default="the model's")
     max_num_seqs: int = option(64, "largest running batch", engine=True)
     max_num_batched_tokens: int = option(

@@ -7,7 +7,7 @@ is engine.core.memory_plan's. ``device_memory`` plans for a device this machine 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -17,6 +17,8 @@ from engine.core.memory_plan import MemoryPlan, ModelSize, plan_memory
 from engine.core.plan_sizes import host_available_bytes, model_size, request
 from engine.layers.kv_cache import LayerShape, PagedKVCache
 from engine.models.eagle_head import Eagle3Head, head_config, is_eagle_head
+from engine.parallel.checks import check_target
+from engine.parallel.shares import rank_weight_bytes
 from engine.types.config import EngineConfig
 from engine.worker.loading import device_map_kind, probe_layers, resolve_dtype
 
@@ -56,6 +58,14 @@ def dry_run(config: EngineConfig, device_memory: int | None = None) -> DryRun:
     target = _meta_model(config.model, dtype, config.trust_remote_code)
     shapes, _ = probe_layers(target, META)
     sizes: list[ModelSize] = [model_size(target, PagedKVCache.bytes_per_block(shapes, config.block_size, dtype))]
+    ranks = config.tensor_parallel_size
+    if ranks > 1:
+        cuda_here = kind == "cuda" and device_memory is None
+        check_target(ranks, target.config, kind, torch.cuda.device_count() if cuda_here else None,
+                     config.uses_draft_model and is_eagle_head(config.draft_model or ""))
+        # Rank 0's share: its weights and its KV heads (the draft, whole, is on rank 0 too).
+        sizes[0] = replace(sizes[0], weight_bytes=rank_weight_bytes(target, ranks),
+                           block_bytes=sizes[0].block_bytes // ranks)
     limits = [_limit(target)]
     eagle = config.uses_draft_model and is_eagle_head(config.draft_model or "")
     draft_params = 0
@@ -81,10 +91,12 @@ def dry_run(config: EngineConfig, device_memory: int | None = None) -> DryRun:
         draft_params = sum(p.numel() for p in draft.parameters())
     known = [x for x in limits if x]
     split = config.device_map is not None
-    graphs = (config.cuda_graphs if config.cuda_graphs is not None else kind == "cuda" and not split) and not eagle
+    graphs = (config.cuda_graphs if config.cuda_graphs is not None else kind == "cuda" and not split and ranks == 1
+              ) and not eagle
     weights = sum(s.weight_bytes for s in sizes)
     memory = device_memory if device_memory is not None else (
-        torch.cuda.get_device_properties(0).total_memory if kind == "cuda" else host_available_bytes() + weights)
+        torch.cuda.get_device_properties(0).total_memory if kind == "cuda"
+        else (host_available_bytes() + weights) // ranks)
     plan = plan_memory(request(config, kind, memory, sizes[0], sizes[1] if len(sizes) > 1 else None, dtype,
-                               min(known) if known else DEFAULT_CONTEXT, graphs, split))
+                               min(known) if known else DEFAULT_CONTEXT, graphs, split, ranks))
     return DryRun(plan, kind, dtype, sum(p.numel() for p in target.parameters()), draft_params)

@@ -9,12 +9,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, GenerationConfig
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from engine.core.plan_sizes import plan_loaded
 from engine.models import exit_head
 from engine.models.eagle_head import ARCHITECTURE, is_eagle_head
 from engine.models.exit_head import ExitHead
+from engine.parallel import launch
+from engine.parallel.checks import check_target
+from engine.parallel.mirror import Leader
+from engine.parallel.worker import load_shard
 from engine.speculative.calibrate import profile_blocks
 from engine.speculative.eagle import EagleRunner
 from engine.types.config import CompileMode, EngineConfig, SpeculativeMethod
@@ -84,7 +89,7 @@ def check_same_tokenizer(target_tok: Any | None, draft_tok: Any | None, target: 
 def use_cuda_graphs(config: EngineConfig, target: ModelRunner) -> bool:
     """The config's choice, or by default: on where the target runs on one GPU."""
     if config.cuda_graphs is None:
-        return target.device.type == "cuda" and not target.split
+        return target.device.type == "cuda" and not target.split and config.tensor_parallel_size == 1
     return config.cuda_graphs
 
 
@@ -126,17 +131,37 @@ def _exit_head(path: Path, target: ModelRunner, layers: int) -> ExitHead | None:
     return head
 
 
+def sharded(config: EngineConfig, device: torch.device, eagle: bool) -> Leader | None:
+    """With tensor_parallel_size > 1, the ranks (started, or joined under torchrun) once the target is known to
+    shard; rank 0 is this process."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return None
+    target = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+    check_target(size, target, device.type, torch.cuda.device_count() if device.type == "cuda" else None, eagle)
+    return launch.start(size, device.type)
+
+
 def load(config: EngineConfig) -> Loaded:
     t0 = time.perf_counter()
     eagle = config.uses_draft_model and is_eagle_head(config.draft_model or "")
     device = resolve_device(config.device)
     split = config.device_map is not None
-    mode = resolve_mode(config.compile, device, resolve_dtype(config.dtype, device), split, eagle)  # type: ignore[arg-type]
+    leader = sharded(config, device, eagle)
+    if leader is not None:
+        logger.info("compile: off (the sharded forwards run eagerly)")
+        mode = CompileMode.OFF
+    else:
+        mode = resolve_mode(config.compile, device, resolve_dtype(config.dtype, device), split, eagle)  # type: ignore[arg-type]
     compiles = mode is not CompileMode.OFF
     if compiles and device.type == "cpu" and os.path.isdir(config.model):
         compile_cache.seed(config.model)  # a cache shipped with the model: a first start compiles as a warm one
-    target = ModelRunner.load(config.model, config.dtype, config.device, config.trust_remote_code, config.device_map,
-                         compiles)
+    if leader is not None:
+        leader.load(config)
+        target = load_shard(config, leader.ranks)
+    else:
+        target = ModelRunner.load(config.model, config.dtype, config.device, config.trust_remote_code,
+                                  config.device_map, compiles)
     if "cpu" in {d.type for d in target.layer_devices or [target.device]}:
         keep_freed_memory()  # a batched step's large temporaries met fresh pages from the kernel in some processes
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
@@ -169,7 +194,7 @@ def load(config: EngineConfig) -> Loaded:
     plan = plan_loaded(config, target.model, target.bytes_per_block(config.block_size),
                        None if draft is None else draft.head if isinstance(draft, EagleRunner) else draft.model,
                        draft.bytes_per_block(config.block_size) if draft else 0, target.device, target.dtype,
-                       model_limit, use_cuda_graphs(config, target) and not eagle, split)
+                       model_limit, use_cuda_graphs(config, target) and not eagle, split, config.tensor_parallel_size)
     for warning in plan.warnings:
         logger.warning(warning)
     logger.info("%s", plan.describe())
@@ -182,7 +207,10 @@ def load(config: EngineConfig) -> Loaded:
         profile = profile_blocks(config.k_max, config.block_size, config.max_num_batched_tokens,
                                  config.max_num_seqs) if adaptive else 0
         reserved = max(ModelRunner.warm_up_blocks(config.k_max, config.block_size), min(profile, num_blocks // 16))
+    if leader is not None:
+        leader.allocate(num_blocks + reserved, config.block_size)
     target.allocate_cache(num_blocks + reserved, config.block_size)
+    target.leader = leader
     if draft:
         draft.allocate_cache(num_blocks + reserved, config.block_size)
     early_exit = None

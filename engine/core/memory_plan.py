@@ -54,6 +54,7 @@ class PlanRequest:
     kv_cache_bytes: int | None = None  # an explicit KV budget (kv_cache_memory_gb)
     num_kv_blocks: int | None = None  # an explicit block count
     split: bool = False  # the target spread over devices (device_map): only the KV budget is planned
+    ranks: int = 1  # tensor-parallel ranks: the sizes are rank 0's (its shard, its KV heads, the draft)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class MemoryPlan:
     model_limit: int
     sizing: str  # where the block count came from
     warnings: tuple[str, ...]
+    ranks: int = 1
 
     @property
     def kv_bytes(self) -> int:
@@ -87,7 +89,7 @@ class MemoryPlan:
         draft = self.draft_weight_bytes
         whole = f"{self.memory_bytes / g:.1f} GiB of {self.device}"
         lines = [
-            f"memory plan ({self.sizing}):",
+            f"memory plan ({self.sizing})" + (f", per rank of {self.ranks}:" if self.ranks > 1 else ":"),
             f"  device       {whole}" + (f", {self.share:g} for specd" if self.device == "cuda" else
                                          f" available, {self.share:g} of it (less the weights) for the KV cache"),
             f"  weights      {self.weight_bytes / g:.2f} GiB"
@@ -165,8 +167,9 @@ def plan_memory(r: PlanRequest) -> MemoryPlan:
             raise PlanError(
                 f"the model does not fit: weights {weights / GiB:.1f} GiB and activations {act / GiB:.1f} GiB leave "
                 f"{max(0, usable) / GiB:.2f} GiB for the KV cache within {what}, short by "
-                f"{(least - usable) / GiB:.1f} GiB; split the target across devices "
-                f"(--device-map auto), use a quantised checkpoint or a smaller model"
+                f"{(least - usable) / GiB:.1f} GiB; shard the target over GPUs (--tensor-parallel-size "
+                f"{2 * r.ranks}), split it across them (--device-map auto), use a quantised checkpoint or a smaller "
+                "model"
                 + (", or raise --memory-utilization" if share < 0.95 and r.device == "cuda" else ""))
         blocks, sizing = usable // block_bytes, what
 
@@ -201,7 +204,7 @@ def plan_memory(r: PlanRequest) -> MemoryPlan:
         raise PlanError(f"the KV cache holds {blocks} blocks of {r.block_size} tokens, fewer than one sequence of "
                         f"max_model_len {context} needs; raise the KV budget or lower max_model_len")
     return MemoryPlan(r.device, r.memory_bytes, share, weights, r.draft.weight_bytes if r.draft else 0, act,
-                      block_bytes, blocks, r.block_size, r.k_max, context, limit, sizing, tuple(warnings))
+                      block_bytes, blocks, r.block_size, r.k_max, context, limit, sizing, tuple(warnings), r.ranks)
 
 
 def parse_size(text: str) -> int:

@@ -6,6 +6,7 @@ import itertools
 import os
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from engine.core.memory_plan import GiB, MemoryPlan, ModelSize, PlanError, PlanRequest, plan_memory
 from engine.types.config import EngineConfig
@@ -14,10 +15,15 @@ from engine.types.config import EngineConfig
 SPLIT_KV_DEFAULT_GB = 1.0
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this process holds of a tensor: a tensor-parallel rank's shard of a sharded one."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def model_size(model: torch.nn.Module, block_bytes: int) -> ModelSize:
-    """Weights as held (tied ones once); on the meta device, what loading would hold."""
+    """Weights as held (tied ones once; a rank's own shards); on the meta device, what loading would hold."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    weights = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    weights = sum(_local(t).numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     return ModelSize(weights, block_bytes, hidden, int(getattr(config, "intermediate_size", 0) or 4 * hidden),
                      int(getattr(config, "vocab_size", 0) or 0))
@@ -36,7 +42,8 @@ def host_available_bytes() -> int:
 
 
 def request(config: EngineConfig, device: str, memory_bytes: int, target: ModelSize, draft: ModelSize | None,
-            dtype: torch.dtype, model_limit: int, cuda_graphs: bool, split: bool = False) -> PlanRequest:
+            dtype: torch.dtype, model_limit: int, cuda_graphs: bool, split: bool = False,
+            ranks: int = 1) -> PlanRequest:
     kv_gb = config.kv_cache_memory_gb if config.kv_cache_memory_gb is not None or not split else SPLIT_KV_DEFAULT_GB
     return PlanRequest(
         device=device, memory_bytes=memory_bytes, share=config.memory_utilization, target=target, draft=draft,
@@ -44,21 +51,23 @@ def request(config: EngineConfig, device: str, memory_bytes: int, target: ModelS
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         model_limit=model_limit, max_model_len=config.max_model_len, cuda_graphs=cuda_graphs,
         kv_cache_bytes=None if kv_gb is None else int(kv_gb * GiB), num_kv_blocks=config.num_kv_blocks, split=split,
+        ranks=ranks,
     )
 
 
 def plan_loaded(config: EngineConfig, target: torch.nn.Module, target_block_bytes: int,
                 draft: torch.nn.Module | None, draft_block_bytes: int, device: torch.device, dtype: torch.dtype,
-                model_limit: int, cuda_graphs: bool, split: bool) -> MemoryPlan:
-    """The plan of a real start, from the loaded models and the device they are on."""
+                model_limit: int, cuda_graphs: bool, split: bool, ranks: int = 1) -> MemoryPlan:
+    """The plan of a real start, from the loaded models and the device they are on; with ``ranks`` of a
+    tensor-parallel target, rank 0's plan, which every rank's cache follows (on CPU they share the host's RAM)."""
     sizes = model_size(target, target_block_bytes), (model_size(draft, draft_block_bytes) if draft else None)
     weights = sum(s.weight_bytes for s in sizes if s)
     if device.type == "cuda":
         memory = torch.cuda.get_device_properties(device).total_memory
     else:
-        memory = host_available_bytes() + weights  # what was available before the weights came in
+        memory = (host_available_bytes() + weights) // ranks  # what was available before the weights came in
     plan = plan_memory(request(config, device.type, memory, sizes[0], sizes[1], dtype, model_limit, cuda_graphs,
-                               split))
+                               split, ranks))
     if device.type == "cuda" and not split and config.kv_cache_memory_gb is None and config.num_kv_blocks is None:
         free = torch.cuda.mem_get_info(device)[0]
         if plan.kv_bytes + plan.activation_bytes > free:

@@ -62,6 +62,8 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N: the draft, and the target unless device_map is given
     # The target split across devices by accelerate: a strategy name, or a JSON object / dict of module -> device.
     device_map: DeviceMap | None = None
+    # The target sharded over this many ranks (engine.parallel): one process each, rank 0 schedules and drafts.
+    tensor_parallel_size: int = 1
     max_model_len: int | None = None  # None = the model's own limit
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -139,6 +141,27 @@ class EngineConfig:
             raise ValueError(f"paged_attention must be auto, flex or gather, got {self.paged_attention!r}")
         if self.device_map is not None:
             object.__setattr__(self, "device_map", parse_device_map(self.device_map))
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism cannot be combined with, known from the options alone (the model's own limits
+        are checked by engine.parallel.checks once its config is read)."""
+        size = self.tensor_parallel_size
+        if size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+        if size == 1:
+            return
+        if self.device_map is not None:
+            raise ValueError("tensor_parallel_size and device_map both spread the target over devices: give one")
+        if self.compile in (CompileMode.START, CompileMode.BACKGROUND):
+            raise ValueError(f"compile {self.compile.value!r} is not available with tensor_parallel_size > 1 (the "
+                             "sharded forwards run eagerly): use compile 'off' or 'auto'")
+        if self.cuda_graphs:
+            raise ValueError("cuda_graphs is not available with tensor_parallel_size > 1: leave it unset")
+        if self.uses_self_draft:
+            # The early layers draft from the target's own weights, which no rank holds whole.
+            raise ValueError("self-speculation (draft_layers) is not available with tensor_parallel_size > 1: "
+                             "draft with a draft model, n-gram or suffix lookup")
 
     @property
     def uses_draft_model(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -34,6 +35,12 @@ class ForwardBatch:
             end += len(toks)
             keep.extend(range(end - r, end))
         return keep, end
+
+
+class Announcer(Protocol):
+    """Told of every forward of a runner before it runs (engine.parallel.mirror.Leader: the other ranks run it)."""
+
+    def forward(self, batch: ForwardBatch) -> None: ...
 
 
 def prompt_rows(s: ScheduledSeq) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, DistributedConfig
 
 from engine.layers import attention
 from engine.layers.kv_cache import LayerShape
@@ -47,14 +47,18 @@ def architectures(config: object, fallback: str) -> str:
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: str, trust_remote_code: bool = False,
-                   device_map: DeviceMap | None = None) -> torch.nn.Module:
+                   device_map: DeviceMap | None = None, tensor_parallel: int = 1) -> torch.nn.Module:
     """The checkpoint at ``path`` in ``dtype``, on ``device`` or split by ``device_map`` (accelerate places the
-    modules and moves activations between them), refused when specd's attention cannot serve it."""
+    modules and moves activations between them), or this rank's shard of it by the architecture's own
+    tensor-parallel plan (``tensor_parallel`` ranks, the process group already joined); refused when specd's
+    attention cannot serve it."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     archs = architectures(config, config.model_type)
+    sharding = {"distributed_config": DistributedConfig(tp_size=tensor_parallel)} if tensor_parallel > 1 else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="eager", device_map=device_map,
+            **sharding,
         )
     except ValueError as exc:
         raise UnsupportedModelError(f"cannot load {path} ({archs}) as a causal LM: {exc}") from exc
@@ -63,6 +67,8 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: str, trust_remote_code
             f"architecture {archs} (model_type {config.model_type!r}) does not route attention through "
             "transformers' AttentionInterface, so specd cannot run it on a paged KV cache"
         )
+    if sharding:
+        return model  # each shard is already on its rank's device
     if device_map is None:
         return model.to(resolve_device(device))
     placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}

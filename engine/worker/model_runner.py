@@ -13,7 +13,7 @@ from engine.layers.kv_cache import LayerShape, PagedKVCache
 from engine.models.early_exit import decoder_layers, truncate
 from engine.types.config import DeviceMap
 from engine.worker.compiled import CompiledForward, warm_up
-from engine.worker.forward_batch import ForwardBatch
+from engine.worker.forward_batch import Announcer, ForwardBatch
 from engine.worker.graphs import Buckets, StaticForward
 from engine.worker.layout import plan_layout
 from engine.worker.loading import (
@@ -74,15 +74,19 @@ class ModelRunner:
         self.compiled = CompiledForward(self.model, name) if compile else None
         self.aux_ids: tuple[int, ...] = ()
         self.aux: torch.Tensor | None = None
+        # A target sharded over ranks: rank 0's runner tells the other ranks each forward first (engine.parallel).
+        self.leader: Announcer | None = None
 
     @classmethod
     def load(
         cls, path: str, dtype: str, device: str, trust_remote_code: bool = False, device_map: DeviceMap | None = None,
-        compile: bool = False,
+        compile: bool = False, tensor_parallel: int = 1,
     ) -> ModelRunner:
-        """The checkpoint at ``path``; ``device_map`` splits it across devices (``device`` is then unused)."""
+        """The checkpoint at ``path``; ``device_map`` splits it across devices (``device`` is then unused);
+        ``tensor_parallel``: this rank's shard of it (the process group joined first: engine.parallel)."""
         kind = resolve_device(device) if device_map is None else device_map_kind(device_map)
-        model = load_causal_lm(path, resolve_dtype(dtype, kind), device, trust_remote_code, device_map)
+        model = load_causal_lm(path, resolve_dtype(dtype, kind), device, trust_remote_code, device_map,
+                               tensor_parallel)
         return cls(model, path, compile=compile, split=device_map is not None)
 
     @classmethod
@@ -173,6 +177,8 @@ class ModelRunner:
         """Returns float32 logits ``[sum(logits_rows), vocab]`` on ``self.device``: for each sequence in
         order, its last ``logits_rows[i]`` positions. The LM head runs only on those rows."""
         assert self.cache is not None, "allocate_cache() first"
+        if self.leader is not None:
+            self.leader.forward(batch)
         ends = [s + len(t) for s, t in zip(batch.starts, batch.token_ids)]
         bucket = self.static.fits([len(t) for t in batch.token_ids], ends) if self.static is not None else None
         if bucket is not None:

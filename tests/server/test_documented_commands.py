@@ -185,6 +185,23 @@ def test_70b_in_bf16_on_one_80_gib_device_exits_2_naming_the_shortfall_and_the_w
     code, out = plan(["--model", str(models / "Llama-3.1-70B-Instruct"), "--dtype", "bfloat16"], "80GiB", capsys)
     assert code == 2, out
     assert re.search(r"short by \d+\.\d GiB", out) and "--device-map" in out and "quantised" in out, out
+    assert "--tensor-parallel-size 2" in out, out
+
+
+def test_70b_in_bf16_sharded_over_two_80_gib_devices_plans_half_the_weights_per_rank(models, capsys):
+    code, out = plan(["--model", str(models / "Llama-3.1-70B-Instruct"), "--dtype", "bfloat16",
+                      "--tensor-parallel-size", "2", "--device", "cuda"], "80GiB", capsys)
+    assert code == 0, out
+    assert "per rank of 2" in out, out
+    per_rank = float(re.search(r"weights +(\d+\.\d+) GiB", out).group(1))  # type: ignore[union-attr]
+    assert 64 < per_rank < 67, out  # 70.6B parameters in bf16: 131.4 GiB, half of it on each rank
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_kv_heads_exits_2_naming_the_sizes_that_do(models, capsys):
+    code, out = plan(["--model", str(models / "Llama-3.1-8B-Instruct"), "--tensor-parallel-size", "3",
+                      "--device", "cuda"], "80GiB", capsys)
+    assert code == 2, out
+    assert "does not divide the target's 32 attention heads and 8 KV heads: use one of [2, 4, 8]" in out, out
 
 
 def test_an_explicit_context_that_cannot_fit_names_the_largest_that_does(models, capsys):
