@@ -1,5 +1,5 @@
 """Starting the ranks: under torchrun every rank is already a process (rank 0 serves, the others follow);
-otherwise rank 0, the server's own process, starts the others as ``python -m engine.parallel.worker``."""
+otherwise rank 0, the server's own process, starts the others as ``python -m engine.parallel``."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def _spawn(rank: int, size: int, kind: str, port: int) -> tuple[int, subprocess.
                MASTER_PORT=str(port), SPECD_TP_DEVICE=kind, SPECD_TP_PARENT=str(os.getpid()))
     # A session of its own: a terminal's Ctrl-C or a process-group signal meant for the server reaches rank 0,
     # which drains and then stops this rank, instead of killing this rank mid-drain.
-    proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker"], env=env, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "engine.parallel"], env=env, start_new_session=True)
     return rank, proc
 
 

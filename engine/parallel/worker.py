@@ -1,4 +1,4 @@
-"""A rank other than 0: ``python -m engine.parallel.worker`` (started by rank 0), or ``specd serve`` under torchrun
+"""A rank other than 0: ``python -m engine.parallel`` (started by rank 0), or ``specd serve`` under torchrun
 (server/cli.py hands ranks above 0 to ``follow_rank``). It loads its shard of whatever target rank 0 loads and runs
 the forwards rank 0 runs, until rank 0 stops it (exit 0) or is lost (exit 1)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
+import signal
 import threading
 import time
 
@@ -28,6 +28,10 @@ def load_shard(config: EngineConfig, ranks: Ranks) -> ModelRunner:
 def follow_rank(device: str) -> int:
     """Join the ranks and follow rank 0; the exit code."""
     ranks = join(device_type(device))
+    # torchrun passes a SIGTERM to every rank at once: rank 0 drains its requests, which need this rank's forwards,
+    # and then stops it. So this rank ends when rank 0 says, or when rank 0 is gone.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     logger.info("tensor-parallel rank %d of %d on %s: following rank 0", ranks.rank, ranks.size, ranks.device)
     try:
         forwards = follow(ranks, lambda config: load_shard(config, ranks))
@@ -54,7 +58,3 @@ def main() -> int:
     if parent := os.environ.get("SPECD_TP_PARENT"):
         threading.Thread(target=_exit_with, args=(int(parent),), daemon=True, name="rank-0-watch").start()
     return follow_rank(os.environ.get("SPECD_TP_DEVICE", "auto"))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

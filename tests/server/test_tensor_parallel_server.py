@@ -42,7 +42,7 @@ def client(proc: Process) -> openai.OpenAI:
 
 
 def worker_pids(proc: Process) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(proc.proc.pid), "-f", "engine.parallel.worker"], capture_output=True,
+    out = subprocess.run(["pgrep", "-P", str(proc.proc.pid), "-f", "engine.parallel"], capture_output=True,
                          text=True)
     return [int(p) for p in out.stdout.split()]
 
