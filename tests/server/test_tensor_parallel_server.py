@@ -5,9 +5,13 @@ below, with this module's ``server``); its greedy output is the target's own; a 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -24,7 +28,7 @@ from tests.server.test_chat import (  # noqa: F401 - collected here, against thi
     test_streamed_chat_opens_with_the_role_and_ends_with_usage,
     test_text_content_parts_are_joined,
 )
-from tests.server.test_cli import Process
+from tests.server.test_cli import ROOT, Process, free_port
 from tests.server.test_completions import (  # noqa: F401 - collected here, against this module's server
     test_a_completion_ending_inside_an_incomplete_character_keeps_its_text,
     test_completion_has_openai_fields_and_usage_with_spec_counts,
@@ -116,6 +120,41 @@ def test_sigterm_drains_rank_0_which_then_stops_the_other_rank_cleanly(model_set
     proc.proc.send_signal(signal.SIGTERM)
     assert proc.wait_exit() == 0, proc.log.read_text()
     assert "tensor-parallel rank 1: stopped by rank 0" in proc.log.read_text()
+
+
+def test_under_torchrun_every_rank_runs_the_same_command_and_rank_0_serves(model_sets, tokenizer_dir, tmp_path):
+    ms, port = model_sets["llama"], free_port()
+    log = tmp_path / "torchrun.log"
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2", "-m", "server", "serve",
+           "--model", str(ms.target), "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2",
+           "--speculative-method", "ngram", "--num-speculative-tokens", "4", "--port", str(port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while not _healthy(url):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        ref = Reference(ms.target)
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        for prompt in prompts_for(tokenizer_dir)[4:]:
+            resp = c.completions.create(model=ms.target.name, prompt=prompt, max_tokens=MAX_NEW, temperature=0.0,
+                                        extra_body={"return_token_ids": True})
+            assert_same_as_target(ref, prompt, resp.choices[0].model_extra["token_ids"], "2 ranks under torchrun")
+        assert "tensor-parallel rank 1 of 2 on cpu: following rank 0" in log.read_text()
+    finally:
+        proc.terminate()  # torchrun passes it to both ranks: rank 0 drains, then stops rank 1
+        proc.wait(60)
+    assert "tensor-parallel rank 1: stopped by rank 0" in log.read_text(), log.read_text()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def test_a_lost_rank_takes_the_server_down_with_exit_1_and_a_line_naming_it(model_sets, chat_target, tmp_path):
