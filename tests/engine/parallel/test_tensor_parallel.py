@@ -65,13 +65,16 @@ def two_ranks(model_sets, tokenizer_dir, tmp_path_factory) -> tuple[list[dict], 
     return spec, json.loads((tmp / "out.json").read_text())
 
 
+def of(arch: str, spec: list[dict]) -> list[dict]:
+    """The cases of one architecture."""
+    return [case for case in spec if case["label"].startswith(f"{arch}/")]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_two_ranks_decode_greedily_as_the_target_alone(arch, two_ranks, model_sets):
     spec, results = two_ranks
     ref = Reference(model_sets[arch].target)
-    for case in spec:
-        if not case["label"].startswith(f"{arch}/"):
-            continue
+    for case in of(arch, spec):
         got = results[case["label"]]
         for prompt, out in zip(case["prompts"], got["greedy"]):
             assert_same_as_target(ref, prompt, out, f"{case['label']} 2 ranks")
@@ -82,9 +85,7 @@ def test_two_ranks_decode_greedily_as_the_target_alone(arch, two_ranks, model_se
 def test_two_ranks_draw_the_seeded_samples_one_rank_draws(arch, two_ranks, model_sets):
     spec, results = two_ranks
     ref = Reference(model_sets[arch].target)
-    for case in spec:
-        if not case["label"].startswith(f"{arch}/"):
-            continue
+    for case in of(arch, spec):
         one = LLM(case["model"], **case["engine"])
         params = [SamplingParams(max_tokens=MAX_NEW, temperature=TEMPERATURE, top_p=TOP_P, seed=s) for s in SEEDS]
         want = [o.token_ids for o in one.generate(case["prompts"], params)]
