@@ -42,12 +42,12 @@ def start(size: int, kind: str) -> Leader:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
         workers = [_spawn(rank, size, kind, port) for rank in range(1, size)]
+    # Watched from the start: a rank that dies before joining would otherwise leave this one waiting in the join.
+    for rank, proc in workers:
+        threading.Thread(target=_watch, args=(rank, proc, workers), daemon=True, name=f"tp-rank-{rank}").start()
     logger.info("tensor parallel: joining %d ranks on %s", size, kind)
     leader = Leader(join(kind))
     _RANKS.append(leader)
-    for rank, proc in workers:
-        threading.Thread(target=_watch, args=(leader, rank, proc, workers), daemon=True,
-                         name=f"tp-rank-{rank}").start()
     atexit.register(_stop, leader)
     return leader
 
@@ -67,11 +67,10 @@ def _spawn(rank: int, size: int, kind: str, port: int) -> tuple[int, subprocess.
     return rank, proc
 
 
-def _watch(leader: Leader, rank: int, proc: subprocess.Popen,
-           workers: list[tuple[int, subprocess.Popen]]) -> None:
+def _watch(rank: int, proc: subprocess.Popen, workers: list[tuple[int, subprocess.Popen]]) -> None:
     """A rank that exits before rank 0 stopped it takes the server down: without it no forward can run."""
     code = proc.wait()
-    if leader.stopped:
+    if _RANKS and _RANKS[0].stopped:
         return
     logger.critical("tensor-parallel rank %d exited with code %d; the target cannot run without it: exiting "
                     "(restart the server)", rank, code)
