@@ -6,24 +6,19 @@ import itertools
 import os
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from engine.core.memory_plan import GiB, MemoryPlan, ModelSize, PlanError, PlanRequest, plan_memory
+from engine.parallel.shares import local
 from engine.types.config import EngineConfig
 
 # A split target (device_map) has no one device to plan for: its cache gets this unless kv_cache_memory_gb says.
 SPLIT_KV_DEFAULT_GB = 1.0
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """What this process holds of a tensor: a tensor-parallel rank's shard of a sharded one."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def model_size(model: torch.nn.Module, block_bytes: int) -> ModelSize:
     """Weights as held (tied ones once; a rank's own shards); on the meta device, what loading would hold."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    weights = sum(_local(t).numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    weights = sum(local(t).numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     return ModelSize(weights, block_bytes, hidden, int(getattr(config, "intermediate_size", 0) or 4 * hidden),
                      int(getattr(config, "vocab_size", 0) or 0))

@@ -11,11 +11,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from engine.parallel.group import Ranks
+from engine.parallel.shares import local
 from engine.types.config import EngineConfig
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.model_runner import ModelRunner
@@ -95,10 +95,6 @@ def follow(ranks: Ranks, load: Callable[[EngineConfig], ModelRunner]) -> int:
             raise RuntimeError(f"unknown message from rank 0: {kind!r}")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def shard_facts(runner: ModelRunner, rank: int) -> dict[str, Any]:
     """This rank's share of the target: elements of the sharded weights it holds against their full size, the
     replicated ones, and its cache's KV heads per layer."""
@@ -106,7 +102,7 @@ def shard_facts(runner: ModelRunner, rank: int) -> dict[str, Any]:
     assert runner.cache is not None
     return {
         "rank": rank,
-        "sharded_local": sum(_local(p).numel() for p in sharded),
+        "sharded_local": sum(local(p).numel() for p in sharded),
         "sharded_full": sum(p.numel() for p in sharded),
         "replicated": sum(p.numel() for p in runner.model.parameters() if not isinstance(p, DTensor)),
         "kv_heads": [k.shape[1] for k in runner.cache.k],

@@ -6,9 +6,15 @@ from __future__ import annotations
 import re
 
 import torch
+from torch.distributed.tensor import DTensor
 
 # Styles of transformers' plans that split a module's weight over the ranks; the rest keep it whole on each.
 _SPLITTING = ("colwise", "rowwise", "embedding")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this process holds of a tensor: a rank's shard of a sharded one, else the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def rank_weight_bytes(model: torch.nn.Module, size: int) -> int:
