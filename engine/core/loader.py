@@ -23,7 +23,7 @@ from engine.parallel.worker import load_shard
 from engine.speculative.calibrate import profile_blocks
 from engine.speculative.eagle import EagleRunner
 from engine.types.config import CompileMode, EngineConfig, SpeculativeMethod
-from engine.worker import compile_cache
+from engine.worker import compile_cache, precompile
 from engine.worker.compiled import BackgroundWarmUp, resolve_mode
 from engine.worker.graphs import Buckets
 from engine.worker.host_memory import keep_freed_memory
@@ -222,11 +222,14 @@ def load(config: EngineConfig) -> Loaded:
     compiled = [r for r in (target, draft, early_exit) if isinstance(r, ModelRunner) and r.compiled is not None]
     background = None
     if mode is CompileMode.BACKGROUND:
-        logger.info("compile background: serving eagerly while %s compile in a thread of their own",
-                    " and ".join(r.name for r in compiled))
+        logger.info("compile background: serving eagerly while %s compile", " and ".join(r.name for r in compiled))
+        # In a child process, loaded when done; in a thread here where a model is not its own checkpoint (an
+        # early exit shares the target's layers) or the child fails.
+        child = precompile.background(compiled, config.k_max, config.dtype, config.trust_remote_code) \
+            if early_exit is None else None
         background = BackgroundWarmUp([
             (r.compiled, lambda r=r: r.warm_up_compiled(config.k_max, num_blocks)) for r in compiled  # type: ignore[misc]
-        ])
+        ], child)
     else:
         for runner in compiled:
             runner.warm_up_compiled(config.k_max)

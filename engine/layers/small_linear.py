@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,12 @@ SMALL_ROWS = 16
 # the packed weight up here; the layer itself keeps it alive.
 _PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
+
+
+def stable_key(name: str, layer: str) -> int:
+    """The key of layer ``layer`` of the model named ``name`` in graphs compiled in another process
+    (engine.worker.precompile), where this process's counter would have given other numbers."""
+    return zlib.crc32(f"{name}/{layer}".encode()) & 0x7FFFFFFF
 
 
 @torch.library.custom_op("specd::packed_linear", mutates_args=(), device_types="cpu")
@@ -78,17 +85,31 @@ class SmallRowsLinear(nn.Linear):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def install(model: nn.Module) -> int:
+def install(model: nn.Module, stable_name: str | None = None) -> int:
     """Turns the model's float32 CPU nn.Linear layers into SmallRowsLinear (same parameters, same eager
-    forward) with a packed copy of each weight where oneDNN is built in; returns how many."""
+    forward) with a packed copy of each weight where oneDNN is built in; returns how many. ``stable_name``:
+    key them by ``stable_key`` (for a process that compiles graphs for another)."""
     n = 0
-    for module in model.modules():
+    for layer, module in model.named_modules():
         if type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
             module.__class__ = SmallRowsLinear
             if torch.backends.mkldnn.is_available():
                 # Reordered for 32 rows; measured as fast as a copy reordered for the actual rows from 1 to 96.
                 module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 32)
-                module.packed_key = next(_KEYS)
+                module.packed_key = next(_KEYS) if stable_name is None else stable_key(stable_name, layer)
                 _PACKED[module.packed_key] = module.packed
             n += 1
     return n
+
+
+def rekey(model: nn.Module, name: str) -> bool:
+    """Gives the packed layers of ``model`` (installed here) the keys graphs compiled elsewhere under ``name``
+    hold (they guard a layer's key as the constant it is). False, changing nothing, where a key is another live
+    layer's (the same name loaded twice in this process): those graphs cannot run here."""
+    layers = [(stable_key(name, n), m) for n, m in model.named_modules() if getattr(m, "packed_key", None) is not None]
+    if any(_PACKED.get(key) is not None and _PACKED.get(key) is not m.packed for key, m in layers):
+        return False
+    for key, m in layers:
+        _PACKED[key] = m.packed
+        m.packed_key = key
+    return True

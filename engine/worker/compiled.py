@@ -6,10 +6,11 @@ kernels without Python, and on CPU a linear layer over a few rows becomes a loop
 (engine.layers.small_linear) rather than an MKL call. Shapes are dynamic (the context length grows every
 step, the batch and the draft count vary), so one graph serves every length; dynamo still
 specialises on the layout's branches (one query or several, a contiguous cache span or a gather),
-a handful of graphs, compiled by ``warm_up`` before any request runs them: at start-up, or in a thread
-of its own while the engine serves eagerly (``CompileMode.BACKGROUND``), the model switching to its
-compiled forwards once every graph is built. Prefill chunks stay eager: they are long, so their overhead
-is small beside their arithmetic.
+a handful of graphs, compiled by ``warm_up`` before any request runs them: at start-up, or while the engine
+serves eagerly (``CompileMode.BACKGROUND``), the model switching to its compiled forwards once every graph is
+built. In the background the graphs are compiled by a child process and loaded from its files
+(engine.worker.precompile); in a thread of this process where that fails. Prefill chunks stay eager: they are
+long, so their overhead is small beside their arithmetic.
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ class CompiledForward:
         self.warming_in: threading.Thread | None = None
         self.calls = 0  # forwards that ran compiled
         self.uncompiled = 0  # decode and verify forwards in a layout the warm-up did not compile, run eagerly
+        # Graphs compiled in a child process and loaded from its file (engine.worker.precompile): they serve
+        # instead of this process's own torch.compile once set.
+        self.precompiled: Callable[..., Any] | None = None
 
     @property
     def state(self) -> str:
@@ -104,6 +108,16 @@ class CompiledForward:
         """``compiled``: the forward is a decode or verify step (short queries only)."""
         if compiled and not self.failed and self.warming_in in (None, threading.current_thread()):
             try:
+                if self.precompiled is not None:
+                    out = self.precompiled(**inputs)
+                    if out is not None:
+                        self.calls += 1
+                        return out
+                    if not self.uncompiled:
+                        logger.info("%s met a layout its precompiled graphs do not fit; such forwards run eagerly "
+                                    "(counted in CompiledForward.uncompiled)", self.name)
+                    self.uncompiled += 1
+                    return self.model(**inputs)
                 if self.frozen:
                     # Compiling a new layout while serving would stall its request for seconds to a minute (and
                     # a batched workload meets dozens): those run eagerly, the warmed-up ones compiled. dynamo
@@ -188,8 +202,12 @@ class BackgroundWarmUp:
     """Runs warm-ups one after another in a daemon thread while the caller serves; from construction until every
     warm-up is done, the models' decode and verify forwards run eagerly in every other thread."""
 
-    def __init__(self, jobs: list[tuple[CompiledForward, Callable[[], object]]]) -> None:
+    def __init__(self, jobs: list[tuple[CompiledForward, Callable[[], object]]],
+                 precompiled: Callable[[], bool] | None = None) -> None:
+        """``precompiled``: tried first, in the thread; True when it gave every model its graphs
+        (engine.worker.precompile), which skips the jobs."""
         self.jobs = jobs
+        self.precompiled = precompiled
         self.thread = threading.Thread(target=self._run, name="specd-compile", daemon=True)
         for compiled, _ in jobs:
             shield_from_tracing(compiled.model)
@@ -225,12 +243,20 @@ class BackgroundWarmUp:
         interval = sys.getswitchinterval()
         sys.setswitchinterval(min(interval, SWITCH_INTERVAL))
         t0 = time.perf_counter()
-        for compiled, job in self.jobs:
+        done = False
+        if self.precompiled is not None:
+            try:
+                done = self.precompiled()
+            except Exception:
+                logger.exception("compiling in a child process failed; compiling here instead")
+        for compiled, job in [] if done else self.jobs:
             try:
                 job()
             except Exception:
                 logger.exception("warming up the compiled forwards of %s failed; they run eagerly", compiled.name)
                 compiled.failed = True
+            compiled.frozen = True
+        for compiled, _ in self.jobs if done else []:
             compiled.frozen = True
         # Every model switches at once, when no warm-up is left: a frozen model's forwards run under
         # set_stance("eager_on_recompile"), which holds for the whole process, and a warm-up still compiling

@@ -30,6 +30,16 @@ from engine.worker.warm_up_layouts import warm_up_blocks, warm_up_layouts
 logger = logging.getLogger(__name__)
 
 
+class RowsToKeep(threading.local):
+    """Per thread: the rows of the forward running in it that its LM head takes (None: all)."""
+
+    keep: torch.Tensor | None = None
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        # dynamo pickles the objects a graph's guards read (engine.worker.precompile): their type is what counts.
+        return type(self), ()
+
+
 class ModelRunner:
     """A model already built and placed, run on packed, paged batches. ``load`` builds one from a checkpoint;
     benchmarks hand in random models of real sizes (no gigabytes written to disk first)."""
@@ -56,7 +66,7 @@ class ModelRunner:
         # thread (``keep``), as a background compile's forwards run beside the serving thread's (dynamo guards the
         # attribute read like any other). An early exit shares the target's head: each runner's hook is a no-op
         # while its own runner is not the one running.
-        self._rows = threading.local()
+        self._rows = RowsToKeep()
         head.register_forward_pre_hook(self._select_rows)
         text_config = self.model.config.get_text_config()
         self.vocab_size: int = text_config.vocab_size
@@ -125,7 +135,7 @@ class ModelRunner:
         self.aux_ids = tuple(layer_ids)
 
     def _select_rows(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
-        keep = getattr(self._rows, "keep", None)
+        keep = self._rows.keep
         if keep is None:
             return None
         hidden = args[0]  # [1, T, hidden]

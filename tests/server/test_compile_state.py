@@ -3,8 +3,10 @@ and specd:compile_state say where the compile stands (compiling, then compiled o
 
 from __future__ import annotations
 
+from engine.worker import precompile
 from engine.worker.compiled import BackgroundWarmUp
 from engine.worker.model_runner import ModelRunner
+from tests.engine.worker.test_compile import failing_child
 from tests.server.conftest import MODEL, tiny_engine
 
 
@@ -28,6 +30,7 @@ def test_a_background_compile_serves_at_once_and_reports_its_state(make_server, 
     def broken(self, k_max, first_block=0):  # noqa: ANN001, ANN202
         raise RuntimeError("an inductor failure")
 
+    monkeypatch.setattr(precompile, "spawn", failing_child)  # the child's compile fails, then this process's
     monkeypatch.setattr(ModelRunner, "warm_up_compiled", broken)
     held[0].thread.start()
     assert held[0].join(timeout=30)

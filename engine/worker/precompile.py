@@ -1,0 +1,166 @@
+"""The decode and verify forwards compiled in a process of their own, and loaded by the server without tracing.
+
+Compiled in the serving process, the warm-up traces in Python and holds the interpreter: on 2 cores the server
+served at a fifth to four fifths of its eager speed for the 3 minutes it took (docs/performance.md#compiling).
+Here a child process at the lowest CPU priority compiles each model's warm-up layouts ahead of time
+(engine.worker.aot_graphs) into files beside inductor's cache, and the server loads them in seconds, once, and
+again at every later start with the same code and checkpoints.
+
+    python -m engine.worker.precompile SPEC.json    # what the server starts (``spawn``)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from engine.layers import small_linear
+from engine.worker.aot_graphs import Precompiled, compile_runner
+from engine.worker.compile_cache import cache_dir, machine
+from engine.worker.warm_up_layouts import warm_up_blocks
+
+logger = logging.getLogger(__name__)
+
+ENGINE_ROOT = Path(__file__).resolve().parents[1]
+PROGRESS = "engine.worker.aot_graphs: "  # how the child's progress lines start, after their time
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """One model to compile, as the server loaded it."""
+
+    path: str
+    dtype: str
+    trust_remote_code: bool
+    file: str  # where its graphs go
+
+
+def key(runner: Any, k_max: int, dtype: str) -> str:
+    """What a model's graphs depend on besides the layouts: this engine's source, the libraries, the machine, the
+    checkpoint (its config and weight files' sizes and times)."""
+    source = hashlib.sha256()
+    for path in sorted(ENGINE_ROOT.rglob("*.py")):
+        source.update(path.relative_to(ENGINE_ROOT).as_posix().encode() + path.read_bytes())
+    files = []
+    model_dir = Path(runner.name)
+    if model_dir.is_dir():
+        files = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(model_dir.iterdir())
+                 if p.suffix in (".json", ".safetensors", ".bin")]
+    facts = {"engine": source.hexdigest(), "torch": torch.__version__, "transformers": transformers.__version__,
+             **machine(), "model": runner.name, "files": files, "dtype": dtype, "k_max": k_max,
+             "block_size": runner.cache.block_size}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def artifact(runner: Any, k_max: int, dtype: str) -> Path:
+    return cache_dir() / "specd-precompiled" / f"{key(runner, k_max, dtype)}.bin"
+
+
+def load(runner: Any, path: Path) -> Precompiled | None:
+    """The runner's graphs from ``path``, or None where they cannot run here (logged)."""
+    if not small_linear.rekey(runner.model, runner.name):
+        logger.info("precompiled graphs of %s: the model is loaded twice in this process; compiling here", runner.name)
+        return None
+    try:
+        return Precompiled(runner, path.read_bytes())
+    except Exception:
+        logger.exception("loading the precompiled graphs of %s failed; compiling here", runner.name)
+        return None
+
+
+def spawn(models: Sequence[Model], k_max: int, block_size: int) -> subprocess.Popen[bytes]:
+    """The child that compiles ``models``, at the lowest CPU priority."""
+    # The server's thread count: a graph's guards check it (dynamo's global state), and at nice 19 the child's
+    # threads take only what the server leaves.
+    spec = {"models": [dataclasses.asdict(m) for m in models], "k_max": k_max, "block_size": block_size,
+            "threads": torch.get_num_threads()}
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    # In the server's session: Linux shares the CPU fairly between sessions (autogroups) whatever their nice
+    # values, and a child of its own session took half the cores from the server (9 tok/s instead of 190).
+    return subprocess.Popen([sys.executable, "-m", "engine.worker.precompile", json.dumps(spec)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def background(runners: Sequence[Any], k_max: int, dtype: str, trust_remote_code: bool) -> Callable[[], bool]:
+    """A job for a background warm-up (engine.worker.compiled.BackgroundWarmUp): the runners' graphs compiled by
+    a child where their files are missing, then loaded and installed. Returns whether every runner got its
+    graphs; where not, nothing is installed."""
+
+    def run() -> bool:
+        files = [artifact(r, k_max, dtype) for r in runners]
+        missing = [Model(r.name, dtype, trust_remote_code, str(f)) for r, f in zip(runners, files) if not f.is_file()]
+        if missing:
+            t0 = time.perf_counter()
+            logger.info("compile background: compiling %s in a child process", " and ".join(m.path for m in missing))
+            child = spawn(missing, k_max, runners[0].cache.block_size)
+            assert child.stderr is not None
+            tail: collections.deque[str] = collections.deque(maxlen=5)
+            for raw in child.stderr:  # its progress in this log, and what it said last if it fails
+                line = raw.decode(errors="replace").rstrip()
+                tail.append(line)
+                if PROGRESS in line:
+                    logger.info("compile process: %s", line.split(PROGRESS, 1)[1])
+            if child.wait() != 0:
+                logger.warning("the compile process exited with code %s; compiling here instead: %s",
+                               child.returncode, " | ".join(tail))
+                return False
+            logger.info("compile process done in %.1fs", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        loaded = [load(r, f) for r, f in zip(runners, files)]
+        if any(p is None for p in loaded):
+            return False
+        for runner, graphs in zip(runners, loaded):
+            runner.compiled.precompiled = graphs
+        logger.info("loaded %s precompiled graphs in %.1fs", " + ".join(str(len(p)) for p in loaded if p),
+                    time.perf_counter() - t0)
+        return True
+
+    return run
+
+
+def main(spec: dict[str, Any]) -> None:
+    from engine.worker.model_runner import ModelRunner
+
+    os.setpriority(os.PRIO_PROCESS, 0, 19)  # the server's requests first; the compile gets what they leave
+    torch.set_num_threads(spec["threads"])
+    parent = os.getppid()
+
+    def watch() -> None:  # a server gone (killed, or stopped before the compile was done) ends the compile
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+    k_max, block_size = spec["k_max"], spec["block_size"]
+    for m in (Model(**m) for m in spec["models"]):
+        runner = ModelRunner.load(m.path, m.dtype, "cpu", m.trust_remote_code)
+        runner.allocate_cache(3 * warm_up_blocks(k_max, block_size), block_size)
+        small_linear.install(runner.model, m.path)
+        data = compile_runner(runner, k_max)
+        out = Path(m.file)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, out)  # whole or not at all, for a server reading it
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # Through the module's own name: the files name the classes they hold (Entry) by module, and __main__ is no
+    # module the server can import.
+    importlib.import_module("engine.worker.precompile").main(json.loads(sys.argv[1]))
