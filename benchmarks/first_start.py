@@ -52,7 +52,7 @@ def compiled(client: httpx.Client) -> str:
 
 def run(name: str, compile_mode: str, target: Path, minutes: float, prompts: list[str], fresh: list[str]) -> dict:
     port, cache = free_port(), tempfile.mkdtemp(prefix="inductor-")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "SPECD_LOG_LEVEL": "warning"}
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "SPECD_LOG_LEVEL": "info"}
     cmd = [sys.executable, "-m", "server", "serve", "--model", str(target), "--draft-model", str(PAIR / "draft"),
            "--served-model-name", "specd-default", "--compile", compile_mode, "--port", str(port)]
     log = open(Path(cache) / "server.log", "w")  # noqa: SIM115 - closed with the process
@@ -80,8 +80,11 @@ def run(name: str, compile_mode: str, target: Path, minutes: float, prompts: lis
                 done_at = time.monotonic() - t0
             i += 1
         ttft = [first_token(client, p) for p in fresh] if compiled(client) != "compiling" else []
+        # what the server said about its compile (where it compiled, how long, what it loaded)
+        said = [line.strip() for line in (Path(cache) / "server.log").read_text().splitlines()
+                if "compil" in line and "layout" not in line]
         return {"name": name, "compile": compile_mode, "health_s": t0 - t_start, "compiled_at_s": done_at,
-                "state": compiled(client), "requests": requests, "cold_ttft_ms": ttft}
+                "state": compiled(client), "requests": requests, "cold_ttft_ms": ttft, "compile_log": said}
     finally:
         proc.terminate()
         proc.wait(60)
