@@ -89,7 +89,8 @@ def spawn(models: Sequence[Model], k_max: int, block_size: int) -> subprocess.Po
     # threads take only what the server leaves.
     spec = {"models": [dataclasses.asdict(m) for m in models], "k_max": k_max, "block_size": block_size,
             "threads": torch.get_num_threads()}
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    path = os.pathsep.join(p for p in (str(ENGINE_ROOT.parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "PYTHONPATH": path}  # from any directory
     # In the server's session: Linux shares the CPU fairly between sessions (autogroups) whatever their nice
     # values, and a child of its own session took half the cores from the server (9 tok/s instead of 190).
     return subprocess.Popen([sys.executable, "-m", "engine.worker.precompile", json.dumps(spec)], env=env,
