@@ -1,8 +1,9 @@
 """The embedded pair's compile cache (engine.worker.compile_cache): `python -m recipe.compile_cache` (or
-`make compile-cache`). Starts the server as `make serve` does, compiling before it answers (`--compile start`),
-in an empty inductor cache directory of its own, stops it once /health answers, and packs that directory
-beside the target. Rebuild it when the forward's code or torch changes (a stale one only stops helping).
-~10 minutes on 2 CPU cores.
+`make compile-cache`). Starts the server as `make serve` does (`--compile background`: the compile runs in a
+child process, engine.worker.precompile) in an empty inductor cache directory of its own, with the shipped
+archive moved aside so that it does not seed itself, waits until /metrics says compiled, stops it and packs that
+directory beside the target. Rebuild it when the forward's code or torch changes (a stale one only stops
+helping). ~11 minutes on 2 idle CPU cores.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from engine import pack_compile_cache
+from engine.worker.compile_cache import ARCHIVE
 
 ROOT = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("recipe.compile_cache")
@@ -31,34 +33,54 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def compile_state(client: httpx.Client) -> str:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("specd:compile_state{") and line.endswith(" 1.0"):
+            return line.split('state="')[1].split('"')[0]
+    return "?"
+
+
 def build(target: Path, timeout: float) -> Path:
-    with tempfile.TemporaryDirectory(prefix="specd-inductor-") as cache:
-        port = free_port()
-        env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache}
-        cmd = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port), "--compile",
-               "start"]
-        logger.info("compiling into %s: %s", cache, " ".join(cmd))
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
-        try:
-            deadline, t0 = time.monotonic() + timeout, time.monotonic()
-            while True:
-                if proc.poll() is not None:
-                    raise SystemExit(f"the server exited with {proc.returncode} before answering /health")
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"the server did not answer /health within {timeout:.0f} s")
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(2)
-            logger.info("compiled in %.0f s", time.monotonic() - t0)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
-        archive = pack_compile_cache(Path(cache), target)
-    logger.info("wrote %s (%.1f MiB)", archive, archive.stat().st_size / 2**20)
-    return archive
+    archive = target / ARCHIVE
+    aside = archive.with_suffix(".old")
+    if archive.exists():
+        archive.replace(aside)
+    try:
+        with tempfile.TemporaryDirectory(prefix="specd-inductor-") as cache:
+            port = free_port()
+            env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache, "SPECD_LOG_LEVEL": "info"}
+            cmd = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port), "--compile",
+                   "background"]
+            logger.info("compiling into %s: %s", cache, " ".join(cmd))
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+            client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+            try:
+                deadline, t0, state = time.monotonic() + timeout, time.monotonic(), "?"
+                while state != "compiled":
+                    if proc.poll() is not None:
+                        raise SystemExit(f"the server exited with {proc.returncode} before it compiled")
+                    if time.monotonic() > deadline:
+                        raise SystemExit(f"the server did not compile within {timeout:.0f} s")
+                    time.sleep(5)
+                    try:
+                        state = compile_state(client)
+                    except httpx.HTTPError:
+                        continue
+                    if state == "failed":
+                        raise SystemExit("the compile failed: see the server's log above")
+                logger.info("compiled in %.0f s", time.monotonic() - t0)
+            finally:
+                client.close()
+                proc.terminate()
+                proc.wait(timeout=60)
+            packed = pack_compile_cache(Path(cache), target)
+    except BaseException:
+        if aside.exists():
+            aside.replace(archive)
+        raise
+    aside.unlink(missing_ok=True)
+    logger.info("wrote %s (%.1f MiB)", packed, packed.stat().st_size / 2**20)
+    return packed
 
 
 def main() -> None:

@@ -2,8 +2,8 @@
 process without tracing (dynamo's ``aot_compile``); engine.worker.precompile runs them in a child process.
 
 dynamo cannot serialise guards on object identities (None, functions, closures): they are dropped when
-compiling. The code and modules they pinned hold by construction, since the files are keyed by this engine's
-source, torch, transformers and the checkpoint (engine.worker.precompile.key); None-ness does not, so each graph
+compiling. The code they pinned is checked line by line before a file is used (``stale``), and its modules are
+the checkpoint's, which keys the file (engine.worker.precompile.key); None-ness is not, so each graph
 keeps its layout's structure (which of the attention metadata's fields are None, the rows kept for the LM head or
 not) and a forward runs only a graph of its own structure whose remaining guards (sizes, dtypes, constants)
 pass, else eagerly.
@@ -123,8 +123,13 @@ def compile_runner(runner: Any, k_max: int) -> bytes:
                     logger.warning("layout %d of %s did not compile (%r): it runs eagerly", i, runner.name, exc)
         logger.info("compiling %s ahead of time: layout %d/%d", runner.name, i, len(captured))
     logger.info("compiled %d layouts of %s in %.1fs", len(done), runner.name, time.perf_counter() - t0)
-    graphs = []
+    graphs, sources = [], set()
     for kwargs, keep, fn in done:
+        # Each graph's traced code, by module and lines, without the modules' whole text that dynamo keeps beside
+        # it (95% of the file): stale() reads the lines again at load.
+        info = fn._artifacts.source_info
+        sources |= {(s.module, s.firstlineno, s.lastlineno, s.checksum) for s in info.inlined_sources}
+        info.inlined_sources = set()
         # The globals its code reads that the file does not carry (modules dynamo named after this process's
         # objects): where the loading process imports them.
         env, scope = fn._artifacts.runtime_env, fn.fn.__globals__
@@ -132,7 +137,22 @@ def compile_runner(runner: Any, k_max: int) -> bytes:
         refs = {ref: _importable(scope[ref], runner.name) for ref in env.external_refs - carried}
         blob = AOTCompiledFunction.serialize(fn).serialized_data
         graphs.append(((structure(kwargs[attention.METADATA_KWARG]), keep is not None), blob, refs))
-    return pickle.dumps(graphs)
+    return pickle.dumps({"sources": sorted(sources), "graphs": graphs})
+
+
+def stale(data: bytes) -> str:
+    """What of the code the graphs in ``data`` traced differs in this process ("" where nothing does): a graph runs
+    the code as it was when traced, so any change there makes it another forward than the eager one."""
+    from torch._dynamo.package import _hash_sourcelines
+
+    for module, first, last, checksum in pickle.loads(data)["sources"]:
+        try:
+            same = _hash_sourcelines(importlib.import_module(module), first, last) == checksum
+        except (ImportError, OSError):
+            same = False
+        if not same:
+            return f"{module}, lines {first}-{last}"
+    return ""
 
 
 def _importable(value: Any, name: str) -> tuple[str, str]:
@@ -163,7 +183,7 @@ class Precompiled:
         self.graphs: dict[Any, list[Any]] = {}
         # Building a graph's guards reads the values they guard, the per-thread flags among them.
         with _as_compiled(self.rows, None):
-            for shape, blob, refs in pickle.loads(data):
+            for shape, blob, refs in pickle.loads(data)["graphs"]:
                 scope = {ref: _imported(*where) for ref, where in refs.items()}
                 self.graphs.setdefault(shape, []).append(AOTCompiledFunction.deserialize(blob, scope))
 
@@ -173,7 +193,7 @@ class Precompiled:
     def __call__(self, **inputs: Any) -> Any:
         keep = getattr(self.rows, "keep", None)
         for fn in self.graphs.get((structure(inputs[attention.METADATA_KWARG]), keep is not None), ()):
-            with compiled_call(), torch.fx.experimental._config.patch(use_duck_shape=False):
+            with compiled_call():  # no config patch here: only a trace reads it, and it costs every forward
                 if fn.guard_check(self.entry, **inputs):
                     return fn(self.entry, **inputs)
         return None

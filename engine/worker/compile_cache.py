@@ -1,9 +1,10 @@
 """A compile cache shipped beside a model: inductor's cache directory as it stood after the server compiled that
 model, packed (``compile-cache.tar.xz``), with the machine it was built on (``compile-cache.json``). A machine that
 matches it (torch, Python, the CPU's vector instructions, the C++ compiler) unpacks it into its own cache before
-compiling, so a first start compiles as a warm one: the embedded draft alone took 145 s from an empty cache, 31 s
-from its unpacked one (2 CPU cores). Anything else that differs (the model code the graphs were traced from)
-only makes inductor miss and compile as it would have: the archive can go stale, never wrong.
+compiling. It holds the child's graph files (engine.worker.precompile), which the server loads at once where the
+code they traced is this checkout's, and inductor's own entries, which make a compile after a change to that code
+faster where the graphs did not change. Anything else that differs only makes both miss and compile as they
+would have: the archive can go stale, never wrong.
 
     python -m recipe.compile_cache     # builds the embedded pair's (make compile-cache)
 """
@@ -26,6 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 ARCHIVE, MANIFEST = "compile-cache.tar.xz", "compile-cache.json"
+PRECOMPILED = "specd-precompiled"  # engine.worker.precompile's graph files, under the cache (packed with it)
 
 
 def machine() -> dict[str, str]:

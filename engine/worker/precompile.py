@@ -4,7 +4,9 @@ Compiled in the serving process, the warm-up traces in Python and holds the inte
 served at a fifth to four fifths of its eager speed for the 3 minutes it took (docs/performance.md#compiling).
 Here a child process at the lowest CPU priority compiles each model's warm-up layouts ahead of time
 (engine.worker.aot_graphs) into files beside inductor's cache, and the server loads them in seconds, once, and
-again at every later start with the same code and checkpoints.
+again at every later start. A file is named for what does not change with a clone (``key``) and checked against
+the code its graphs traced (``current``), so one built from the same checkout anywhere loads here: the embedded
+pair ships its own in its compile cache (engine.worker.compile_cache).
 
     python -m engine.worker.precompile SPEC.json    # what the server starts (``spawn``)
 """
@@ -30,8 +32,8 @@ import torch
 import transformers
 
 from engine.layers import small_linear
-from engine.worker.aot_graphs import Precompiled, compile_runner
-from engine.worker.compile_cache import cache_dir, machine
+from engine.worker.aot_graphs import Precompiled, compile_runner, stale
+from engine.worker.compile_cache import PRECOMPILED, cache_dir, machine
 from engine.worker.warm_up_layouts import warm_up_blocks
 
 logger = logging.getLogger(__name__)
@@ -50,30 +52,55 @@ class Model:
     file: str  # where its graphs go
 
 
+# What a graph is built from besides the code dynamo traced (checked line by line at load, aot_graphs.stale):
+# the layers' custom ops and their C kernels, how a graph picks its layout, and which layouts there are.
+BUILT_FROM = ("layers", "native", "worker/aot_graphs.py", "worker/warm_up_layouts.py")
+WEIGHTS = (".safetensors", ".bin", ".pt")
+EDGE = 1 << 20  # bytes read from each end of a weights file
+
+
+def fingerprint(model: str) -> list[Any]:
+    """A checkpoint, the same in any clone or copy of it: its config, and each weights file's size and ends (the
+    weights themselves are the graphs' inputs; they only tell two checkpoints of one config apart)."""
+    model_dir = Path(model)
+    if not model_dir.is_dir():
+        return [model]
+    facts: list[Any] = []
+    for path in sorted(model_dir.iterdir()):
+        if path.name == "config.json":
+            facts.append((path.name, hashlib.sha256(path.read_bytes()).hexdigest()))
+        elif path.suffix in WEIGHTS and path.is_file():
+            size, digest = path.stat().st_size, hashlib.sha256()
+            with path.open("rb") as f:
+                digest.update(f.read(EDGE))
+                f.seek(max(0, size - EDGE))
+                digest.update(f.read(EDGE))
+            facts.append((path.name, size, digest.hexdigest()))
+    return facts
+
+
 def key(runner: Any, k_max: int, dtype: str) -> str:
-    """What a model's graphs depend on besides the layouts: this engine's source, the libraries, the machine, the
-    checkpoint (its config and weight files' sizes and times)."""
+    """What a model's graphs depend on besides the code they traced: the libraries, the machine, the checkpoint,
+    the layers' ops. Stable across clones: a graph file built elsewhere from the same checkout loads here."""
     source = hashlib.sha256()
-    for path in sorted(ENGINE_ROOT.rglob("*.py")):
-        source.update(path.relative_to(ENGINE_ROOT).as_posix().encode() + path.read_bytes())
-    files = []
-    model_dir = Path(runner.name)
-    if model_dir.is_dir():
-        files = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(model_dir.iterdir())
-                 if p.suffix in (".json", ".safetensors", ".bin")]
+    for part in BUILT_FROM:
+        root = ENGINE_ROOT / part
+        for path in sorted([root] if root.is_file() else root.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                source.update(path.relative_to(ENGINE_ROOT).as_posix().encode() + path.read_bytes())
     facts = {"engine": source.hexdigest(), "torch": torch.__version__, "transformers": transformers.__version__,
-             **machine(), "model": runner.name, "files": files, "dtype": dtype, "k_max": k_max,
+             **machine(), "model": fingerprint(runner.name), "dtype": dtype, "k_max": k_max,
              "block_size": runner.cache.block_size}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def artifact(runner: Any, k_max: int, dtype: str) -> Path:
-    return cache_dir() / "specd-precompiled" / f"{key(runner, k_max, dtype)}.bin"
+    return cache_dir() / PRECOMPILED / f"{key(runner, k_max, dtype)}.bin"
 
 
 def load(runner: Any, path: Path) -> Precompiled | None:
     """The runner's graphs from ``path``, or None where they cannot run here (logged)."""
-    if not small_linear.rekey(runner.model, runner.name):
+    if not small_linear.rekey(runner.model, path.stem):
         logger.info("precompiled graphs of %s: the model is loaded twice in this process; compiling here", runner.name)
         return None
     try:
@@ -81,6 +108,19 @@ def load(runner: Any, path: Path) -> Precompiled | None:
     except Exception:
         logger.exception("loading the precompiled graphs of %s failed; compiling here", runner.name)
         return None
+
+
+def current(path: Path) -> bool:
+    """Whether ``path`` holds graphs, traced from the code this process runs (logged where not)."""
+    if not path.is_file():
+        return False
+    try:
+        changed = stale(path.read_bytes())
+    except Exception as exc:  # an unreadable file is compiled again, and replaced
+        changed = f"unreadable ({exc!r})"
+    if changed:
+        logger.info("the precompiled graphs in %s are stale (%s): compiling them again", path, changed)
+    return not changed
 
 
 def spawn(models: Sequence[Model], k_max: int, block_size: int) -> subprocess.Popen[bytes]:
@@ -104,7 +144,7 @@ def background(runners: Sequence[Any], k_max: int, dtype: str, trust_remote_code
 
     def run() -> bool:
         files = [artifact(r, k_max, dtype) for r in runners]
-        missing = [Model(r.name, dtype, trust_remote_code, str(f)) for r, f in zip(runners, files) if not f.is_file()]
+        missing = [Model(r.name, dtype, trust_remote_code, str(f)) for r, f in zip(runners, files) if not current(f)]
         if missing:
             t0 = time.perf_counter()
             logger.info("compile background: compiling %s in a child process", " and ".join(m.path for m in missing))
@@ -151,7 +191,7 @@ def main(spec: dict[str, Any]) -> None:
     for m in (Model(**m) for m in spec["models"]):
         runner = ModelRunner.load(m.path, m.dtype, "cpu", m.trust_remote_code)
         runner.allocate_cache(3 * warm_up_blocks(k_max, block_size), block_size)
-        small_linear.install(runner.model, m.path)
+        small_linear.install(runner.model, Path(m.file).stem)  # the packed layers' keys: the file's, like a clone's
         data = compile_runner(runner, k_max)
         out = Path(m.file)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -61,6 +61,9 @@ def warm_up_layouts(k_max: int, block_size: int, num_blocks: int, first_block: i
         ForwardBatch([[0] * big, [0] * (big - 1)], [ctx, ctx // 2], [one, other], [1, 1]),
         # more sequences decoding than small_linear's rows (the sequences share blocks: nothing reads them)
         ForwardBatch([[0]] * (2 * big), [ctx, ctx // 2] * big, [one, other] * big, [1] * (2 * big)),
+        # and at one context, no mask: prompts of one length admitted together, and the calibration's decodes
+        # (32 and 64 of them ran eagerly, and the step-cost model priced them so, until this layout was here)
+        ForwardBatch([[0]] * (2 * big), [ctx] * (2 * big), [one, other] * big, [1] * (2 * big)),
         # and a draft model catching up some of them, one logits row each
         ForwardBatch([[0] * 2] + [[0]] * (2 * big - 1), [ctx, ctx // 2] * big, [one, other] * big, [1] * (2 * big)),
     ]

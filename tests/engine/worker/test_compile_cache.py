@@ -74,3 +74,4 @@ def test_the_embedded_pairs_cache_names_every_field_a_machine_is_checked_on():
     """A manifest missing a field would match any machine on it."""
     manifest = Path(__file__).resolve().parents[3] / "models" / "default" / "target" / compile_cache.MANIFEST
     assert set(json.loads(manifest.read_text())) == set(compile_cache.machine())
+

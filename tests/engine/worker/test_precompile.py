@@ -5,7 +5,9 @@ compile goes through it)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import types
 
 import torch
@@ -36,16 +38,51 @@ def fake_runner(path) -> types.SimpleNamespace:
     return types.SimpleNamespace(name=str(path), cache=types.SimpleNamespace(block_size=16))
 
 
-def test_the_graphs_file_changes_with_the_checkpoint_the_layouts_and_the_dtype(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "model.safetensors").write_bytes(b"x" * 8)
-    runner = fake_runner(tmp_path)
+def test_the_graphs_file_changes_with_the_checkpoint_the_layouts_and_the_dtype_not_with_where_it_lies(tmp_path):
+    for where in ("a", "b"):  # one checkpoint, in two clones
+        (tmp_path / where).mkdir()
+        (tmp_path / where / "config.json").write_text("{}")
+        (tmp_path / where / "model.safetensors").write_bytes(b"x" * 8)
+    runner = fake_runner(tmp_path / "a")
     first = precompile.key(runner, 4, "float32")
-    assert precompile.key(runner, 4, "float32") == first
+    assert precompile.key(fake_runner(tmp_path / "b"), 4, "float32") == first, "a clone loads the graphs"
+    os.utime(tmp_path / "a" / "model.safetensors", ns=(1, 1))
+    assert precompile.key(runner, 4, "float32") == first, "a checkout's file times are not the checkpoint"
     assert precompile.key(runner, 5, "float32") != first
     assert precompile.key(runner, 4, "bfloat16") != first
-    os.utime(tmp_path / "model.safetensors", ns=(1, 1))  # new weights: a new file
+    (tmp_path / "a" / "model.safetensors").write_bytes(b"y" * 8)  # other weights: their layers' keys differ
     assert precompile.key(runner, 4, "float32") != first
+    (tmp_path / "a" / "model.safetensors").write_bytes(b"x" * 8)
+    (tmp_path / "a" / "config.json").write_text('{"num_hidden_layers": 2}')
+    assert precompile.key(runner, 4, "float32") != first
+
+
+def graphs_traced_from(module: str, first: int, last: int, checksum: str) -> bytes:
+    return pickle.dumps({"sources": [(module, first, last, checksum)], "graphs": []})
+
+
+def test_graphs_whose_traced_code_changed_are_stale_and_compiled_again(tmp_path, monkeypatch, caplog):
+    """A graph runs the code as it was traced: a file whose traced lines differ from this process's is not used."""
+    from torch._dynamo.package import _hash_source
+
+    caplog.set_level(logging.INFO, logger="engine.worker.precompile")
+    code = "def forward(x):\n    return x + 1\n"
+    (tmp_path / "traced_here.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = graphs_traced_from("traced_here", 1, 3, _hash_source(code))
+    assert aot_graphs.stale(data) == ""
+    path = tmp_path / "graphs.bin"
+    path.write_bytes(data)
+    assert precompile.current(path)
+
+    (tmp_path / "traced_here.py").write_text(code.replace("x + 1", "x + 2"))
+    os.utime(tmp_path / "traced_here.py", ns=(2, 2))  # what linecache looks at to read a file again
+    assert aot_graphs.stale(data) == "traced_here, lines 1-3"
+    assert not precompile.current(path) and "stale (traced_here, lines 1-3)" in caplog.text
+    assert aot_graphs.stale(graphs_traced_from("gone_module", 1, 3, "0")) == "gone_module, lines 1-3"
+    path.write_bytes(b"not a pickle")
+    assert not precompile.current(path) and "unreadable" in caplog.text
+    assert not precompile.current(tmp_path / "missing.bin")
 
 
 def test_packed_layers_take_the_stable_keys_unless_another_model_holds_them():
