@@ -23,9 +23,11 @@ from engine.types.outputs import CompletionOutput, RequestOutput
 from engine.types.sampling_params import SamplingParams
 from engine.types.sequence import TokenLogprob
 from engine.types.stats import SourceStats, StepStats, StepTotals
+from engine.worker.compile_cache import ARCHIVE as COMPILE_CACHE_ARCHIVE
 from engine.worker.compile_cache import pack as pack_compile_cache
 
 __all__ = [
+    "COMPILE_CACHE_ARCHIVE",
     "GRAMMAR_SOURCE",
     "LLM",
     "AuditResult",

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from engine import pack_compile_cache
-from engine.worker.compile_cache import ARCHIVE
+from engine import COMPILE_CACHE_ARCHIVE, pack_compile_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("recipe.compile_cache")
@@ -41,7 +40,7 @@ def compile_state(client: httpx.Client) -> str:
 
 
 def build(target: Path, timeout: float) -> Path:
-    archive = target / ARCHIVE
+    archive = target / COMPILE_CACHE_ARCHIVE
     aside = archive.with_suffix(".old")
     if archive.exists():
         archive.replace(aside)
