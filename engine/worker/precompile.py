@@ -80,17 +80,20 @@ def fingerprint(model: str) -> list[Any]:
 
 
 def key(runner: Any, k_max: int, dtype: str) -> str:
-    """What a model's graphs depend on besides the code they traced: the libraries, the machine, the checkpoint,
-    the layers' ops. Stable across clones: a graph file built elsewhere from the same checkout loads here."""
+    """What a model's graphs depend on besides the code they traced: the libraries, the machine and its thread
+    count, the checkpoint, the layers' ops. Stable across clones: a graph file built elsewhere from the same
+    checkout loads here."""
     source = hashlib.sha256()
     for part in BUILT_FROM:
         root = ENGINE_ROOT / part
         for path in sorted([root] if root.is_file() else root.rglob("*")):
             if path.is_file() and "__pycache__" not in path.parts:
                 source.update(path.relative_to(ENGINE_ROOT).as_posix().encode() + path.read_bytes())
+    # The thread count too: every graph's guards check it (dynamo's global state), and a file built at another
+    # count loaded and never ran (tests at one thread a worker met graphs a run at two had written).
     facts = {"engine": source.hexdigest(), "torch": torch.__version__, "transformers": transformers.__version__,
-             **machine(), "model": fingerprint(runner.name), "dtype": dtype, "k_max": k_max,
-             "block_size": runner.cache.block_size}
+             **machine(), "threads": torch.get_num_threads(), "model": fingerprint(runner.name), "dtype": dtype,
+             "k_max": k_max, "block_size": runner.cache.block_size}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
 
 

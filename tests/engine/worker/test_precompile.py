@@ -50,6 +50,12 @@ def test_the_graphs_file_changes_with_the_checkpoint_the_layouts_and_the_dtype_n
     assert precompile.key(runner, 4, "float32") == first, "a checkout's file times are not the checkpoint"
     assert precompile.key(runner, 5, "float32") != first
     assert precompile.key(runner, 4, "bfloat16") != first
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # the graphs' guards check it
+        assert precompile.key(runner, 4, "float32") != first
+    finally:
+        torch.set_num_threads(threads)
     (tmp_path / "a" / "model.safetensors").write_bytes(b"y" * 8)  # other weights: their layers' keys differ
     assert precompile.key(runner, 4, "float32") != first
     (tmp_path / "a" / "model.safetensors").write_bytes(b"x" * 8)
