@@ -221,7 +221,13 @@ def load(config: EngineConfig) -> Loaded:
         early_exit = ModelRunner.early_exit(target, layers, head)
     compiled = [r for r in (target, draft, early_exit) if isinstance(r, ModelRunner) and r.compiled is not None]
     background = None
-    if mode is CompileMode.BACKGROUND:
+    if mode is CompileMode.BACKGROUND and early_exit is None and precompile.at_start(compiled, config.k_max):
+        logger.info("compile background: %s serve compiled from the start (their graphs were on disk)",
+                    " and ".join(r.name for r in compiled))
+        for runner in compiled:
+            runner.compiled.frozen = True
+        num_blocks += reserved  # no warm-up and no re-profile writes in them
+    elif mode is CompileMode.BACKGROUND:
         logger.info("compile background: serving eagerly while %s compile", " and ".join(r.name for r in compiled))
         # In a child process, loaded when done; in a thread here where a model is not its own checkpoint (an
         # early exit shares the target's layers) or the child fails.

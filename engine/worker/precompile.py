@@ -3,10 +3,11 @@
 Compiled in the serving process, the warm-up traces in Python and holds the interpreter: on 2 cores the server
 served at a fifth to four fifths of its eager speed for the 3 minutes it took (docs/performance.md#compiling).
 Here a child process at the lowest CPU priority compiles each model's warm-up layouts ahead of time
-(engine.worker.aot_graphs) into files beside inductor's cache, and the server loads them in seconds, once, and
-again at every later start. A file is named for what does not change with a clone (``key``) and checked against
-the code its graphs traced (``current``), so one built from the same checkout anywhere loads here: the embedded
-pair ships its own in its compile cache (engine.worker.compile_cache).
+(engine.worker.aot_graphs) into files beside inductor's cache, and the server loads them in seconds; a later
+start that finds them current loads them before it answers (``at_start``). A file is named for what does not
+change with a clone (``key``) and checked against the code its graphs traced (``current``), so one built from the
+same checkout anywhere loads here: the embedded pair ships its own in its compile cache
+(engine.worker.compile_cache).
 
     python -m engine.worker.precompile SPEC.json    # what the server starts (``spawn``)
 """
@@ -79,7 +80,7 @@ def fingerprint(model: str) -> list[Any]:
     return facts
 
 
-def key(runner: Any, k_max: int, dtype: str) -> str:
+def key(runner: Any, k_max: int) -> str:
     """What a model's graphs depend on besides the code they traced: the libraries, the machine and its thread
     count, the checkpoint, the layers' ops. Stable across clones: a graph file built elsewhere from the same
     checkout loads here."""
@@ -92,13 +93,14 @@ def key(runner: Any, k_max: int, dtype: str) -> str:
     # The thread count too: every graph's guards check it (dynamo's global state), and a file built at another
     # count loaded and never ran (tests at one thread a worker met graphs a run at two had written).
     facts = {"engine": source.hexdigest(), "torch": torch.__version__, "transformers": transformers.__version__,
-             **machine(), "threads": torch.get_num_threads(), "model": fingerprint(runner.name), "dtype": dtype,
+             **machine(), "threads": torch.get_num_threads(), "model": fingerprint(runner.name),
+             "dtype": str(runner.dtype).removeprefix("torch."),
              "k_max": k_max, "block_size": runner.cache.block_size}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def artifact(runner: Any, k_max: int, dtype: str) -> Path:
-    return cache_dir() / PRECOMPILED / f"{key(runner, k_max, dtype)}.bin"
+def artifact(runner: Any, k_max: int) -> Path:
+    return cache_dir() / PRECOMPILED / f"{key(runner, k_max)}.bin"
 
 
 def load(runner: Any, path: Path) -> Precompiled | None:
@@ -113,17 +115,44 @@ def load(runner: Any, path: Path) -> Precompiled | None:
         return None
 
 
-def current(path: Path) -> bool:
-    """Whether ``path`` holds graphs, traced from the code this process runs (logged where not)."""
+def _changed(path: Path) -> str:
+    """What keeps ``path``'s graphs from running the code this process runs ("" where nothing does)."""
     if not path.is_file():
-        return False
+        return "missing"
     try:
-        changed = stale(path.read_bytes())
+        return stale(path.read_bytes())
     except Exception as exc:  # an unreadable file is compiled again, and replaced
-        changed = f"unreadable ({exc!r})"
-    if changed:
+        return f"unreadable ({exc!r})"
+
+
+def current(path: Path) -> bool:
+    """Whether ``path`` holds graphs, traced from the code this process runs (logged where it is stale)."""
+    changed = _changed(path)
+    if changed and changed != "missing":
         logger.info("the precompiled graphs in %s are stale (%s): compiling them again", path, changed)
     return not changed
+
+
+def install(runners: Sequence[Any], files: Sequence[Path]) -> bool:
+    """Every runner's graphs loaded from its file and set to serve; where one cannot, none is (logged)."""
+    t0 = time.perf_counter()
+    loaded = [load(r, f) for r, f in zip(runners, files)]
+    if any(p is None for p in loaded):
+        return False
+    for runner, graphs in zip(runners, loaded):
+        runner.compiled.precompiled = graphs
+    logger.info("loaded %s precompiled graphs in %.1fs", " + ".join(str(len(p)) for p in loaded if p),
+                time.perf_counter() - t0)
+    return True
+
+
+def at_start(runners: Sequence[Any], k_max: int) -> bool:
+    """Where every runner has current graphs on disk (shipped with the model, or an earlier start's), loads them
+    before the server answers, and returns True: it then serves compiled from its first request. Loaded in the
+    background thread while serving instead, the load (5 s for the embedded pair when idle) took 27 s under
+    load, and the first 30 s served at 0.75x eager (docs/performance.md#compiling)."""
+    files = [artifact(r, k_max) for r in runners]
+    return all(not _changed(f) for f in files) and install(runners, files)
 
 
 def spawn(models: Sequence[Model], k_max: int, block_size: int) -> subprocess.Popen[bytes]:
@@ -146,7 +175,7 @@ def background(runners: Sequence[Any], k_max: int, dtype: str, trust_remote_code
     graphs; where not, nothing is installed."""
 
     def run() -> bool:
-        files = [artifact(r, k_max, dtype) for r in runners]
+        files = [artifact(r, k_max) for r in runners]
         missing = [Model(r.name, dtype, trust_remote_code, str(f)) for r, f in zip(runners, files) if not current(f)]
         if missing:
             t0 = time.perf_counter()
@@ -164,15 +193,7 @@ def background(runners: Sequence[Any], k_max: int, dtype: str, trust_remote_code
                                child.returncode, " | ".join(tail))
                 return False
             logger.info("compile process done in %.1fs", time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        loaded = [load(r, f) for r, f in zip(runners, files)]
-        if any(p is None for p in loaded):
-            return False
-        for runner, graphs in zip(runners, loaded):
-            runner.compiled.precompiled = graphs
-        logger.info("loaded %s precompiled graphs in %.1fs", " + ".join(str(len(p)) for p in loaded if p),
-                    time.perf_counter() - t0)
-        return True
+        return install(runners, files)
 
     return run
 

@@ -8,12 +8,14 @@ import logging
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
-from engine import LLM, CompileMode, SamplingParams
+from engine import LLM, CompileMode, EngineConfig, SamplingParams
 from engine.layers import small_linear
 from engine.speculative import calibrate as calibration
 from engine.speculative.calibrate import profile_blocks
@@ -45,6 +47,13 @@ def held_llm(pair8) -> LLM:
     """One compiled engine for every test here: a cold inductor compile of a target and a draft costs ~100 s on
     CI's 2 cores (a fresh checkout misses the compile cache), so every check shares it. Compiled in the
     background (the server's default on CPU), its thread held until the first test starts it by hand."""
+    # A first start: no graph files for this pair (an earlier run's would be loaded before serving, at_start).
+    config = EngineConfig(model=str(pair8 / "target"), draft_model=str(pair8 / "draft"),
+                          speculative_method="draft_model", num_speculative_tokens=K)
+    for model in ("target", "draft"):
+        runner = types.SimpleNamespace(name=str(pair8 / model), dtype=torch.float32,
+                                       cache=types.SimpleNamespace(block_size=config.block_size))
+        precompile.artifact(runner, config.k_max).unlink(missing_ok=True)
     start = BackgroundWarmUp.start
     BackgroundWarmUp.start = lambda self: self  # type: ignore[method-assign]
     try:
@@ -103,6 +112,38 @@ def test_requests_are_served_eagerly_before_the_background_compile_and_compiled_
         assert runner.compiled.frozen and runner.compiled.warming_in is None
         assert runner.compiled.calls > calls, f"{runner.name} never ran compiled"
         assert runner.compiled.uncompiled == 0, f"{runner.name} met a layout its warm-up did not compile"
+
+
+def test_a_later_start_finds_the_graphs_on_disk_and_serves_compiled_from_its_first_request(compiled_llm, pair8,
+                                                                                           tmp_path):
+    """The files the background compile wrote: a server started afterwards (its own process, like a restart)
+    loads them before it answers, and /health says compiled at once; its outputs stay the target's."""
+    from openai import OpenAI
+
+    from tests.server.test_cli import Process
+
+    args = ["--model", str(pair8 / "target"), "--draft-model", str(pair8 / "draft"), "--speculative-method",
+            "draft_model", "--num-speculative-tokens", str(K), "--dtype", "float32", "--device", "cpu",
+            "--compile", "background"]
+    server = Process(tmp_path, args, OMP_NUM_THREADS=str(torch.get_num_threads()))  # the files' thread count
+    try:
+        server.wait_ready()
+        assert httpx.get(server.url + "/health").json() == {"status": "ready", "compile": "compiled"}
+        client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        ref = Reference(pair8 / "target", eos=7)
+        # Not PROMPTS[3], one token alone: a context of one is a size dynamo specializes (0/1), so that prefill
+        # forward runs eagerly, once.
+        for p in PROMPTS[:3]:
+            out = client.completions.create(model=model, prompt=p, max_tokens=MAX_NEW, temperature=0.0,
+                                            extra_body={"return_token_ids": True})
+            assert_same_as_target(ref, p, out.choices[0].model_extra["token_ids"], "compiled from the start")
+    finally:
+        server.proc.terminate()
+        server.wait_exit()
+    log = server.log.read_text()
+    assert "serve compiled from the start" in log and "precompiled graphs in" in log, log
+    assert "compiling" not in log and "run eagerly" not in log, log
 
 
 def failing_child(*args, **kwargs) -> subprocess.Popen[bytes]:  # noqa: ANN002, ANN003

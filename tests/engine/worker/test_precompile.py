@@ -34,33 +34,35 @@ def test_the_structure_tells_a_missing_mask_or_span_from_a_present_one_and_ignor
     assert aot_graphs.structure([masked, masked]) != aot_graphs.structure([masked])
 
 
-def fake_runner(path) -> types.SimpleNamespace:
-    return types.SimpleNamespace(name=str(path), cache=types.SimpleNamespace(block_size=16))
+def fake_runner(path, dtype: torch.dtype = torch.float32) -> types.SimpleNamespace:
+    return types.SimpleNamespace(name=str(path), dtype=dtype, cache=types.SimpleNamespace(block_size=16))
 
 
 def test_the_graphs_file_changes_with_the_checkpoint_the_layouts_and_the_dtype_not_with_where_it_lies(tmp_path):
+    """Keyed by the dtype the model loaded in, not the flag's spelling: a server given --dtype float32 found no
+    file where the shipped ones were built under "auto", the same float32 on CPU, and compiled for 12 minutes."""
     for where in ("a", "b"):  # one checkpoint, in two clones
         (tmp_path / where).mkdir()
         (tmp_path / where / "config.json").write_text("{}")
         (tmp_path / where / "model.safetensors").write_bytes(b"x" * 8)
     runner = fake_runner(tmp_path / "a")
-    first = precompile.key(runner, 4, "float32")
-    assert precompile.key(fake_runner(tmp_path / "b"), 4, "float32") == first, "a clone loads the graphs"
+    first = precompile.key(runner, 4)
+    assert precompile.key(fake_runner(tmp_path / "b"), 4) == first, "a clone loads the graphs"
     os.utime(tmp_path / "a" / "model.safetensors", ns=(1, 1))
-    assert precompile.key(runner, 4, "float32") == first, "a checkout's file times are not the checkpoint"
-    assert precompile.key(runner, 5, "float32") != first
-    assert precompile.key(runner, 4, "bfloat16") != first
+    assert precompile.key(runner, 4) == first, "a checkout's file times are not the checkpoint"
+    assert precompile.key(runner, 5) != first
+    assert precompile.key(fake_runner(tmp_path / "a", torch.bfloat16), 4) != first
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)  # the graphs' guards check it
-        assert precompile.key(runner, 4, "float32") != first
+        assert precompile.key(runner, 4) != first
     finally:
         torch.set_num_threads(threads)
     (tmp_path / "a" / "model.safetensors").write_bytes(b"y" * 8)  # other weights: their layers' keys differ
-    assert precompile.key(runner, 4, "float32") != first
+    assert precompile.key(runner, 4) != first
     (tmp_path / "a" / "model.safetensors").write_bytes(b"x" * 8)
     (tmp_path / "a" / "config.json").write_text('{"num_hidden_layers": 2}')
-    assert precompile.key(runner, 4, "float32") != first
+    assert precompile.key(runner, 4) != first
 
 
 def graphs_traced_from(module: str, first: int, last: int, checksum: str) -> bytes:
