@@ -136,11 +136,15 @@ def main() -> None:
 
     log_dir = Path(tempfile.mkdtemp(prefix="specd-compare-"))
     print(f"starting {len(chosen)} systems (logs in {log_dir})", flush=True)
-    running = [Running(s, log_dir) for s in chosen]
+    running: list[Running] = []
     rows: list[dict] = []
     t_start = time.perf_counter()
     try:
-        for r in running:
+        # One after another: a server's start-up calibration (the goodput controller's step-cost profile) timed
+        # beside another's compile measured decode at 16 sequences slower than at 32.
+        for s in chosen:
+            r = Running(s, log_dir)
+            running.append(r)
             r.wait_ready()
             warm = client.run(r, prompts[args.sets[0]][-1:], 16, 1)  # first-call allocations
             if not all(x.ok for x in warm.results):

@@ -43,11 +43,8 @@ def free_port() -> int:
 
 
 def compiled(client: httpx.Client) -> str:
-    """The target's compile state, from /metrics."""
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith("specd:compile_state{") and line.endswith(" 1.0"):
-            return line.split('state="')[1].split('"')[0]
-    return "?"
+    """Where the server's compile stands (off, compiling, compiled or failed), from /health."""
+    return str(client.get("/health").json().get("compile", "?"))
 
 
 def run(name: str, compile_mode: str, target: Path, minutes: float, prompts: list[str], fresh: list[str]) -> dict:

@@ -1,7 +1,7 @@
 """The embedded pair's compile cache (engine.worker.compile_cache): `python -m recipe.compile_cache` (or
 `make compile-cache`). Starts the server as `make serve` does (`--compile background`: the compile runs in a
 child process, engine.worker.precompile) in an empty inductor cache directory of its own, with the shipped
-archive moved aside so that it does not seed itself, waits until /metrics says compiled, stops it and packs that
+archive moved aside so that it does not seed itself, waits until /health says compiled, stops it and packs that
 directory beside the target. Rebuild it when the forward's code or torch changes (a stale one only stops
 helping). ~11 minutes on 2 idle CPU cores.
 """
@@ -32,13 +32,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def compile_state(client: httpx.Client) -> str:
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith("specd:compile_state{") and line.endswith(" 1.0"):
-            return line.split('state="')[1].split('"')[0]
-    return "?"
-
-
 def build(target: Path, timeout: float) -> Path:
     archive = target / COMPILE_CACHE_ARCHIVE
     aside = archive.with_suffix(".old")
@@ -62,8 +55,8 @@ def build(target: Path, timeout: float) -> Path:
                         raise SystemExit(f"the server did not compile within {timeout:.0f} s")
                     time.sleep(5)
                     try:
-                        state = compile_state(client)
-                    except httpx.HTTPError:
+                        state = client.get("/health").json().get("compile", "?")
+                    except (httpx.HTTPError, ValueError):
                         continue
                     if state == "failed":
                         raise SystemExit("the compile failed: see the server's log above")
