@@ -5,8 +5,10 @@
 Two tables, each measured alternately in one process (kernel, gather, kernel, ...) so machine noise hits both:
 1. one layer's attention at the target's head layout, for batches of G sequences x Q queries over contexts of
    C - 60 .. C keys in scattered blocks of 16 (as a running server's cache holds them);
-2. whole forwards of the target through ModelRunner (eager, as served by default) on such batches: a decode
-   step (1 token per sequence) and a verify step (5 tokens per sequence), with the kernel on and off.
+2. whole forwards of the target through ModelRunner (eager) on such batches: a decode step (1 token per
+   sequence), a verify step (5 tokens per sequence), and steps whose sequences feed unequal numbers of tokens
+   (some verifying, the rest decoding; one short prompt chunk among decodes), with the kernel on and off. In
+   the last, the short group pads every sequence to the longest query: the kernel skips a padding row's keys.
 The weight-read floor of a forward (its bytes over the copy bandwidth measured here) is printed beside it.
 """
 
@@ -75,17 +77,24 @@ def layer_table(H: int, Hkv: int, D: int, repeats: int) -> list[dict]:
 BLOCKS = 1200  # the whole-forward runs' cache, in blocks of BS
 
 
-def scattered_batch(rng: random.Random, G: int, Q: int) -> ForwardBatch:
-    """G sequences with 160-220 tokens cached, feeding Q tokens each, their blocks scattered over a cache of
-    BLOCKS blocks as a running server's cache holds them (benchmarks/compiled_linear.py uses it too)."""
+def scattered_batch(rng: random.Random, G: int, Q: int | list[int]) -> ForwardBatch:
+    """G sequences with 160-220 tokens cached, feeding Q tokens each (or Q[i]), their blocks scattered over a
+    cache of BLOCKS blocks as a running server's cache holds them (benchmarks/compiled_linear.py uses it too)."""
+    qs = Q if isinstance(Q, list) else [Q] * G
     ends = [rng.randint(160, 220) for _ in range(G)]
-    free = rng.sample(range(BLOCKS), sum(-(-(e + Q) // BS) for e in ends))
+    free = rng.sample(range(BLOCKS), sum(-(-(e + q) // BS) for e, q in zip(ends, qs)))
     tables = []
-    for e in ends:
-        n = -(-(e + Q) // BS)
+    for e, q in zip(ends, qs):
+        n = -(-(e + q) // BS)
         tables.append(free[:n])
         free = free[n:]
-    return ForwardBatch([[7] * Q] * G, ends, tables, [Q] * G)
+    return ForwardBatch([[7] * q for q in qs], ends, tables, qs)
+
+
+# Batches whose sequences feed unequal numbers of tokens, padded into one short group: 64 sequences of which some
+# verify 8 drafts (the goodput controller speculates for some sequences only) or one feeds a short prompt chunk.
+MIXED = {"8 of 64 verify 8": [9] * 8 + [1] * 56, "20 of 64 verify 8": [9] * 20 + [1] * 44,
+         "1 of 64 feeds 26": [26] + [1] * 63}
 
 
 def forward_table(target: Path, repeats: int) -> list[dict]:
@@ -94,7 +103,8 @@ def forward_table(target: Path, repeats: int) -> list[dict]:
     rng = random.Random(1)
     usable = cpu_attention.usable
     rows = []
-    for G, Q in [(1, 1), (8, 1), (8, 5), (32, 1), (32, 5)]:
+    cases: list[tuple[int, int | list[int]]] = [(1, 1), (8, 1), (8, 5), (32, 1), (32, 5)]
+    for G, Q in cases + [(len(qs), qs) for qs in MIXED.values()]:
         batch = scattered_batch(rng, G, Q)
 
         def run(on: bool, b: ForwardBatch = batch) -> None:
@@ -105,7 +115,8 @@ def forward_table(target: Path, repeats: int) -> list[dict]:
                 cpu_attention.usable = usable
 
         ms = _alternated({"kernel": lambda: run(True), "gather": lambda: run(False)}, repeats)
-        rows.append({"G": G, "Q": Q, "context": f"{min(batch.starts)}-{max(batch.starts)}", "kernel_ms": ms["kernel"],
+        q = Q if isinstance(Q, int) else next(name for name, qs in MIXED.items() if qs == Q)
+        rows.append({"G": G, "Q": q, "context": f"{min(batch.starts)}-{max(batch.starts)}", "kernel_ms": ms["kernel"],
                      "gather_sdpa_ms": ms["gather"]})
     return rows
 
@@ -134,7 +145,7 @@ def main() -> None:
     print(f"\nwhole target forwards, eager (ms); weight-read floor {floor:.2f} ms")
     print(f"{'G':>3} {'Q':>2} {'context':>8} {'kernel':>8} {'gather+SDPA':>12} {'ratio':>6}")
     for r in forwards:
-        print(f"{r['G']:>3} {r['Q']:>2} {r['context']:>8} {r['kernel_ms']:>8.2f} {r['gather_sdpa_ms']:>12.2f} "
+        print(f"{r['G']:>3} {str(r['Q']):>2} {r['context']:>8} {r['kernel_ms']:>8.2f} {r['gather_sdpa_ms']:>12.2f} "
               f"{r['gather_sdpa_ms'] / r['kernel_ms']:>6.2f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "floor_ms": floor, "layer": layers,

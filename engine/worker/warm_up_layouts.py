@@ -33,6 +33,9 @@ def warm_up_layouts(k_max: int, block_size: int, num_blocks: int, first_block: i
         ForwardBatch([[0]], [ctx], [table], [1])
         for table in (one, other)  # blocks in order (read as one span) or not (gathered)
     ] + [
+        # a one-token prompt arriving alone: a context of one is a size dynamo specializes (0/1), its own graph
+        ForwardBatch([[0]], [0], [one], [1]),
+    ] + [
         ForwardBatch([[0] * rows], [ctx], [table], [rows])
         # past SMALL_ROWS, verifying fewer drafts than k_max is another graph
         for rows in sorted({k_max + 1, min(k_max + 1, small_linear.SMALL_ROWS)}) for table in (one, other)

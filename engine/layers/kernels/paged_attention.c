@@ -51,6 +51,7 @@ static inline __attribute__((always_inline)) void attend(
                 for (int64_t a = 0, m = 0; a < per_task; a++) {
                     const float* restrict kr = key + a * D;
                     for (int64_t r = 0; r < rows_per_head; r++, m++) {
+                        if (c >= last[m]) continue;  /* a padding row (or an earlier query) sees no further */
                         const float* restrict qr = qp[m];
                         float s = 0.f;
                         #pragma omp simd reduction(+ : s)
@@ -71,7 +72,6 @@ static inline __attribute__((always_inline)) void attend(
                 }
                 const float inv = 1.f / sum;
                 for (int64_t c = 0; c < l; c++) sr[c] *= inv;
-                for (int64_t c = l; c < n; c++) sr[c] = 0.f;  /* keys past this row's position */
                 for (int64_t d = 0; d < D; d++) acc[m * D + d] = 0.f;
             }
             for (int64_t c = 0; c < n; c++) {
@@ -79,6 +79,7 @@ static inline __attribute__((always_inline)) void attend(
                 for (int64_t a = 0, m = 0; a < per_task; a++) {
                     const float* restrict vr = value + a * D;
                     for (int64_t r = 0; r < rows_per_head; r++, m++) {
+                        if (c >= last[m]) continue;
                         const float p = scores[m * C + c];
                         float* restrict o = acc + m * D;
                         #pragma omp simd
