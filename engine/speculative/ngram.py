@@ -8,6 +8,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 from engine.speculative.source import DraftRequest, Proposal
 from engine.types.sequence import Sequence
 
+BULK = 16  # new tokens past which NgramIndex indexes them with zip rather than a loop
+
 
 def lookup(tokens: list[int], n_max: int, n_min: int, k: int) -> list[int]:
     """Longest n in [n_min, n_max] whose last-n suffix occurred earlier; return up to k tokens that
@@ -39,10 +41,21 @@ class NgramIndex:
         if L < len(self.tokens) or tokens[: len(self.tokens)] != self.tokens:
             self.__init__(self.n_max, self.n_min)  # type: ignore[misc]  # not an extension: start over
         # An n-gram at i has a successor once the list holds i + n + 1 tokens: index every n-gram ending
-        # before the last token, in order, so the latest occurrence wins.
-        for end in range(max(len(self.tokens), 1), L):  # n-grams ending at end - 1 (successor at end)
-            for n in range(1, min(self.n_max, end) + 1):
-                self.starts[n][tuple(tokens[end - n : end])] = end - n
+        # before the last token (at end - 1, for end in [first, L)), in order, so the latest occurrence wins.
+        first = max(len(self.tokens), 1)
+        if L - first > BULK:
+            # zip builds the tuples in C: a new sequence's ~400-token prompt is indexed in 0.13 ms instead of
+            # 0.35, and a probe asks every fresh request of the batch at once. A step's token or two is
+            # cheaper by the loop below.
+            for n in range(1, self.n_max + 1):
+                lo = max(first, n) - n  # the first new n-gram's start
+                if lo < L - n:
+                    grams = zip(*(tokens[lo + j : L - n + j] for j in range(n)))
+                    self.starts[n].update(zip(grams, range(lo, L - n)))
+        else:
+            for end in range(first, L):  # n-grams ending at end - 1 (successor at end)
+                for n in range(1, min(self.n_max, end) + 1):
+                    self.starts[n][tuple(tokens[end - n : end])] = end - n
         self.tokens.extend(tokens[len(self.tokens) :])
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:

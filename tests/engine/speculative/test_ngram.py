@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from engine.speculative.ngram import LookupSource, NgramIndex, lookup
+from engine.speculative.ngram import BULK, LookupSource, NgramIndex, lookup
 from engine.speculative.source import DraftRequest
 from engine.types.sampling_params import SamplingParams
 from engine.types.sequence import Sequence
@@ -81,6 +81,22 @@ def test_the_incremental_index_answers_exactly_as_the_scan():
                 tokens = tokens[: rng.randrange(1, len(tokens) + 1)] + [rng.randrange(vocab)]
             else:
                 tokens = tokens + [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
+
+
+def test_an_index_fed_whole_prompts_at_once_answers_exactly_as_the_scan():
+    """A first ask over a whole prompt, and later jumps of many tokens (a probe after many plain steps), take
+    the bulk path (more than ngram.BULK new tokens); a token at a time the loop: both answer as the scan."""
+    rng = random.Random(1)
+    for _ in range(200):
+        vocab = rng.choice([2, 3, 5, 50])
+        n_max, n_min = rng.choice([(4, 1), (3, 2), (1, 1), (5, 3)])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(BULK + 1, 6 * BULK))]
+        index = NgramIndex(n_max, n_min)
+        for _ in range(8):
+            k = rng.randint(1, 6)
+            assert index.lookup(tokens, k) == lookup(tokens, n_max, n_min, k), (tokens, n_max, n_min, k)
+            grow = rng.choice([1, 2, BULK, BULK + 1, 3 * BULK])
+            tokens = tokens + [rng.randrange(vocab) for _ in range(grow)]
 
 
 def test_the_source_keeps_one_index_per_sequence_on_its_draft_state():
