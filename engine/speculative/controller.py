@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from engine.speculative.adaptive import SourceAcceptance
-from engine.speculative.goodput import Block, Plan, solve
+from engine.speculative.goodput import Block, Plan, solve, solve_one
 from engine.speculative.goodput import plain as plain_plan
 from engine.speculative.step_cost import StepCostModel
 from engine.types.draft_state import SourceTrack
@@ -172,6 +172,13 @@ class GoodputController:
         per_forward = tuple(self.cost.drafters[name].coefficients()[0] for name in self.drafters)
         host_a, _ = self.cost.host.coefficients()
         n, context, target = len(seqs), sum(s.num_tokens for s in seqs) / 1000.0, self.cost.target
+        if n == 1:
+            t0 = target(1.0, context)
+            one = solve_one(t0, blocks, per_forward, self.k_max,
+                            lambda more: np.where(more > 0, target.many(1.0 + more, context, True) - t0, 0.0),
+                            self.margin, step_fixed + host_a)
+            self._drafts = sum(k for _, k in one.choices) or self._drafts
+            return one
         guess = self._drafts or max(2, n * self.k_max // 2)
         self._turn = not self._turn
         best: Plan | None = None

@@ -21,6 +21,7 @@ millisecond.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,6 +99,34 @@ def solve(num_seqs: int, plain_seconds: float, blocks: list[Block], drafter_cost
         if plan.tokens / plan.seconds <= rate * (1 + 1e-12):
             break
         best, rate = plan, plan.tokens / plan.seconds
+    return best if best.speedup > 1.0 + margin else base
+
+
+def solve_one(plain_seconds: float, blocks: list[Block], drafter_costs: tuple[float, ...], k_max: int,
+              extra: Callable[[np.ndarray], np.ndarray], margin: float = 0.0, step_fixed: float = 0.0) -> Plan:
+    """``solve`` for a batch of one sequence, exactly: with no joint choice to split, every (source, k) is priced
+    whole and the best rate kept. ``extra`` [n] -> [n]: what feeding that many more tokens adds to the target's
+    step, by its own profile, where ``solve`` prices a line through it. A step of one small sequence is a few
+    milliseconds, and the general solver's two linearised rounds cost a tenth of one on the host (enough to
+    leave speculation off where a fixed k gained a third)."""
+    base = plain(1, plain_seconds)
+    best, rate = base, 1.0 / plain_seconds
+    ks = np.arange(1, k_max + 1, dtype=float)
+    for b in blocks:
+        cap = min(int(b.caps[0]), k_max)
+        if cap <= 0:
+            continue
+        k = ks[:cap]  # [cap]
+        chance = float(np.broadcast_to(np.asarray(b.chance, dtype=float), (1,))[0])
+        tokens = 1.0 + np.cumsum(b.gains[0, :cap])  # [cap]
+        seconds = plain_seconds + step_fixed + float(b.fixed[0]) + float(b.per_draft[0]) * k + extra(chance * k)
+        if b.drafter is not None:
+            seconds = seconds + drafter_costs[b.drafter] * k  # one forward per draft position
+        rates = tokens / seconds
+        j = int(np.argmax(rates))
+        if rates[j] > rate:
+            rate = float(rates[j])
+            best = Plan(((b.source, j + 1),), float(tokens[j]), float(seconds[j]), plain_seconds)
     return best if best.speedup > 1.0 + margin else base
 
 

@@ -123,6 +123,14 @@ class _Curve:
             return float(values[-1] + max(0.0, slope) * (tokens - x[-1]))
         return float(np.interp(tokens, x, values))
 
+    def interp_many(self, values: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """``interp`` at each of ``tokens`` [n] at once."""
+        x = self.sizes
+        if len(x) == 1:
+            return np.full(tokens.shape, float(values[0]))
+        slope = max(0.0, float((values[-1] - values[-2]) / (x[-1] - x[-2])))
+        return np.where(tokens > x[-1], values[-1] + slope * (tokens - x[-1]), np.interp(tokens, x, values))
+
     def nearest(self, tokens: float) -> int:
         return int(np.argmin(np.abs(np.log(self.sizes) - np.log(max(tokens, 1.0)))))
 
@@ -163,6 +171,11 @@ class TargetCost:
     def __call__(self, tokens: float, context: float = 0.0, verify: bool = False) -> float:
         c = self.curves[verify]
         return self.scale * (c.interp(c.fix * c.base, tokens) + c.w * context)
+
+    def many(self, tokens: np.ndarray, context: float = 0.0, verify: bool = False) -> np.ndarray:
+        """The cost at each of ``tokens`` [n] (one context), as ``__call__`` gives it one at a time."""
+        c = self.curves[verify]
+        return self.scale * (c.interp_many(c.fix * c.base, tokens) + c.w * context)
 
     def observe(self, tokens: float, context: float, seconds: float, verify: bool = False) -> None:
         if seconds <= 0.0:

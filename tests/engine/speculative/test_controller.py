@@ -231,3 +231,34 @@ def test_after_a_speculating_step_the_lookups_are_asked_without_a_plan_from_expe
     no_lookups = GoodputController(4, ["draft_model"], [])
     no_lookups.decision = c.decision
     assert not no_lookups.asks_again()  # nothing to ask: the first plan is the plan
+
+
+def test_a_batch_of_one_gets_the_best_source_and_k_on_its_own_cost_model():
+    """One sequence: every (source, k) priced whole on the controller's own terms (the target's profile itself,
+    not a line through it), and the plan is the best of them or the plain step."""
+    c = controller(2e-5)
+    # A profile no line fits: a dip at 5 tokens (other matmul kernels), dearer 2 and 3.
+    sizes, costs = (1, 2, 3, 5, 9, 17), (0.010, 0.0135, 0.0138, 0.0122, 0.0150, 0.020)
+    c.cost.target.set_profile([(n, 0.0, t) for n, t in zip(sizes, costs)])
+    hold(c, "ngram", 0.8, 4, seed=1)
+    seq = batch(1)
+    on, lags = np.ones(1, dtype=bool), {"draft_model": np.zeros(1)}
+    for proposed in ([], [5], [5, 6, 7, 8]):
+        seq[0].draft.proposals = {"ngram": proposed}
+        plan = c.with_proposals(seq, on, lags)
+        n_ctx = seq[0].num_tokens / 1000.0
+        t0 = c.cost.target(1.0, n_ctx)
+        host_a, _ = c.cost.host.coefficients()
+        best, want = 1.0 / t0, (None, 0)
+        for name, cap in (("draft_model", 4), ("ngram", len(proposed))):
+            gains = c.acceptance[name].gains([seq[0].draft.track(name)])[0]
+            a, b = c.cost.drafters["draft_model"].coefficients() if name == "draft_model" else (0.0, 0.0)
+            for k in range(1, cap + 1):
+                seconds = (c.cost.target(1.0 + k, n_ctx, True) + host_a + c.cost.host.per_sequence(name)
+                           + k * (float(c.cost.target.per_token(np.array([64.0]))[0]) + b) + a * k)
+                if (1.0 + gains[:k].sum()) / seconds > best:
+                    best, want = (1.0 + gains[:k].sum()) / seconds, (name, k)
+        if best * t0 <= 1.0 + c.margin:
+            want = (None, 0)
+        assert plan.choices == (want,), proposed
+    assert plan.choices[0][0] == "ngram", "four lookup drafts at 0.8 beat the draft model's forwards"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from engine.speculative.goodput import Block, solve
+from engine.speculative.goodput import Block, solve, solve_one
 
 
 @dataclass(frozen=True)
@@ -162,3 +162,47 @@ def brute_force_with_fixed(options, drafter_costs, fixed):
                 seconds += o.fixed + k * o.per_draft
                 used = max(used, k) if o.drafter is not None else used
         yield tokens / (seconds + used * drafter_costs[0])
+
+
+def bumpy(rng):
+    """A target's extra cost for d more tokens that no line fits: steps and dips, as CPU matmul kernels give."""
+    knots = np.arange(0.0, 12.0)
+    values = np.concatenate([[0.0], np.cumsum([rng.uniform(-0.05, 0.4) for _ in range(11)])])
+    return lambda d: np.interp(d, knots, np.maximum(values, 0.0))
+
+
+@pytest.mark.parametrize("num_drafters", [0, 1, 2])
+def test_a_single_sequence_gets_the_best_source_and_k_priced_on_the_profile_itself(num_drafters):
+    rng = random.Random(100 + num_drafters)
+    for case in range(80):
+        k_max, plain_seconds = rng.randint(1, 8), rng.uniform(0.2, 3.0)
+        options, drafter_costs = random_case(rng, 1, num_drafters, k_max)
+        extra, step_fixed = bumpy(rng), rng.uniform(0.0, 0.3)
+        chance = {o.source: rng.choice([1.0, rng.uniform(0.1, 1.0)]) for o in options}
+        blocks = []
+        for o in options:
+            cap = min(len(o.gains), k_max)
+            gains = np.zeros((1, k_max))
+            gains[0, :cap] = [chance[o.source] * g for g in o.gains[:cap]]
+            blocks.append(Block(o.source, gains, np.array([cap]), np.array([o.per_draft]), np.array([o.fixed]),
+                                o.drafter, np.array([chance[o.source]])))
+        plan = solve_one(plain_seconds, blocks, drafter_costs, k_max, extra, step_fixed=step_fixed)
+        best, want = 1.0 / plain_seconds, ((None, 0),)
+        for o in options:
+            for k in range(1, min(len(o.gains), k_max) + 1):
+                tokens = 1.0 + chance[o.source] * sum(o.gains[:k])
+                seconds = (plain_seconds + step_fixed + o.fixed + o.per_draft * k + float(extra(chance[o.source] * k))
+                           + (drafter_costs[o.drafter] * k if o.drafter is not None else 0.0))
+                if tokens / seconds > best:
+                    best, want = tokens / seconds, ((o.source, k),)
+        assert plan.tokens / plan.seconds == pytest.approx(best, rel=1e-9), case
+        assert plan.choices == want, case
+
+
+def test_a_single_sequence_plan_within_the_margin_is_plain():
+    block = Block("lookup", np.array([[0.1]]), np.array([1]), np.array([0.05]), np.array([0.0]))
+    none = lambda d: np.zeros_like(d)  # noqa: E731
+    plan = solve_one(1.0, [block], (), 1, none)
+    assert plan.speculates and plan.speedup == pytest.approx(1.1 / 1.05)
+    assert not solve_one(1.0, [block], (), 1, none, margin=0.1).speculates
+    assert not solve_one(1.0, [], (), 1, none).speculates

@@ -80,6 +80,17 @@ def test_the_secant_prices_half_and_all_of_the_drafts_exactly_and_extra_prices_a
     assert cost.extra(1, 0.0, 0) == 0.0
 
 
+def test_many_sizes_at_once_are_priced_as_one_at_a_time():
+    cost = TargetCost()
+    cost.set_profile(PROFILE)
+    for _ in range(50):
+        cost.observe(3, 0.2, 0.7 * profile(3, 0.2), True)  # a size's own correction, and the scale, move
+    tokens = np.array([1.0, 2.0, 2.5, 4.0, 9.0, 36.0, 72.0, 200.0])
+    for verify in (False, True):
+        want = [cost(n, 0.3, verify) for n in tokens]
+        assert cost.many(tokens, 0.3, verify) == pytest.approx(want, rel=1e-12)
+
+
 def test_the_profile_follows_a_faster_forward_at_sizes_the_steps_do_not_feed():
     """Eager first, then the compiled forward lands (every size twice as fast); the steps feed 32 tokens only,
     and the verify sizes (40 and more) follow anyway, by the one scale."""
