@@ -74,6 +74,7 @@ concurrent, 5 interleaved rounds; the same-text column checks every output again
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -122,6 +123,9 @@ def main() -> None:
     ap.add_argument("--baseline", default=report.BASELINE, choices=[report.BASELINE, "specd none compiled"],
                     help="the system every ratio and same-text check is taken against (default: specd none, eager; "
                          "specd none compiled to compare compiled with compiled)")
+    ap.add_argument("--base-tree", type=Path,
+                    help="another checkout (a git worktree of an earlier commit, say): adds 'specd adaptive default "
+                         "(base)', the default server run from there, to A/B two commits on one run's prompts")
     args = ap.parse_args()
     report.BASELINE = args.baseline  # read by the report's functions when they run
 
@@ -220,6 +224,9 @@ class Batches:
 def choose_systems(args: argparse.Namespace, ap: argparse.ArgumentParser) -> list[System]:
     """The systems named in --systems (else the default ones), llama.cpp's when it can run here."""
     known = systems(args.target, args.draft, args.device)
+    if args.base_tree is not None:
+        default = next(s for s in known if s.name == "specd adaptive default")
+        known.append(dataclasses.replace(default, name=f"{default.name} (base)", cwd=args.base_tree.resolve()))
     unknown = set(args.systems or ()) - {s.name for s in known} - set(LLAMACPP)
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}; known: {[s.name for s in known] + list(LLAMACPP)}")

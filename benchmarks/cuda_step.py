@@ -179,7 +179,7 @@ def measure(args: argparse.Namespace) -> dict:
         print(f"{role}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, {weights / 1e9:.2f} GB "
               f"read per forward, built in {time.perf_counter() - t0:.1f}s", flush=True)
         for g in batches:
-            for q in ((1,) if role == "draft" else (1, k + 1)):
+            for q in ((1,) if role == "draft" or args.decode_only else (1, k + 1)):
                 batch = batch_of(g, q, args.context, per_seq)
                 runner.static = None
                 eager = time_forward(runner, batch, args.iters)
@@ -280,6 +280,8 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["target", "draft"], choices=["target", "draft"])
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model under the graphs (inductor's fused kernels, captured)")
+    p.add_argument("--decode-only", action="store_true",
+                   help="the one-token decode alone, no verify (the GPU kit: a compile of each shape takes minutes)")
     p.add_argument("--profile", action="store_true",
                    help="print the top kernels of the batch-1 decode and the batched verify graph replays")
     p.add_argument("--attention", nargs="+", default=["gather", "flex"], choices=["gather", "flex"],

@@ -27,6 +27,7 @@ class System:
     speculative: bool = False  # specd with a drafter: acceptance and the bound apply
     binary: str | None = None  # a native server, run as is rather than under this interpreter
     default: bool = True  # run when --systems names no systems
+    cwd: Path | None = None  # another checkout to run it from (compare.py --base-tree), else this one
 
 
 LLAMACPP = ("llama.cpp spec", "llama.cpp none")
@@ -132,7 +133,8 @@ class Running:
                 cmd += ["--host", "127.0.0.1"]
             else:
                 cmd += ["--host", "127.0.0.1", "--log-level", "warning"]
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(cmd, cwd=system.cwd or ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                         env=env)
         else:
             cmd = [sys.executable, str(HERE / "hf_worker.py"), *system.args]
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

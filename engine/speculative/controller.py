@@ -11,7 +11,11 @@ made again from their real proposals. While speculation stays off, the lookups a
 ``probe_interval`` steps, so that a request turning repetitive is noticed (their proposals are scored against
 what the step emits: evidence at the price of a lookup, without drafting); less often where asking them for the
 whole batch would cost more than ``probe_budget`` of the plain steps in between (measured: 64 sequences' asks
-took half a compiled plain step on 2 CPU cores, which a probe every 16 steps turned into a 3% loss).
+took half a compiled plain step on 2 CPU cores, which a probe every 16 steps turned into a 3% loss). Spaced by
+their whole host time instead (6-17 ms of planning and asks for 64 sequences there), probes came less often and
+agentic conversations at 64 concurrent ran 5-10% slower: a probe is worth what it finds, which its cost alone
+does not say. A plain decision is planned again every ``replan_interval`` steps, less often where that planning,
+measured, costs more than ``probe_budget`` of the plain steps in between.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 from engine.speculative.adaptive import SourceAcceptance
 from engine.speculative.goodput import Block, Plan, solve, solve_one
 from engine.speculative.goodput import plain as plain_plan
-from engine.speculative.step_cost import StepCostModel
+from engine.speculative.step_cost import LinearCost, StepCostModel
 from engine.types.draft_state import SourceTrack
 from engine.types.sequence import Sequence
 
@@ -65,6 +69,8 @@ class GoodputController:
         self._interval = probe_interval  # steps between probes, for the batch last planned
         self._since_asked = 0
         self._planned_for, self._since_planned = -1, 0  # the batch the last plan was for, and steps since
+        self._plain_seconds = 0.0  # the last plan's plain step
+        self.planning = LinearCost()  # the host time of planning a plain step again, by sequences (Drafting times it)
         self._per_token = np.zeros(0)  # [S]: one more token's attention to each sequence's context, this step
         self._drafts = 0  # drafts the last speculating plan fed: where the target's cost is linearised next
         self._turn = False
@@ -83,13 +89,16 @@ class GoodputController:
             blocks.append(self._block(name, tracks, caps, scale, look_b))
         return self._solve(seqs, blocks, look_a if self.lookups else 0.0)
 
-    def still_plain(self, num_seqs: int) -> bool:
-        """Whether the last plain decision stands for this step without planning again: the same number of
-        sequences, planned fewer than ``replan_interval`` steps ago, no probe due. Planning costs host time of its
-        own, which a plain step would otherwise pay every step (a compiled decode step of a small model is a few
-        milliseconds: a plan is a tenth of one)."""
-        if (self.decision.mode == SPECULATE or num_seqs != self._planned_for
-                or self._since_planned + 1 >= self.replan_interval or self._since_asked + 1 >= self._interval):
+    def still_plain(self, num_seqs: int, fresh: bool = False) -> bool:
+        """Whether the last plain decision stands for this step without planning again: no probe due, planned
+        fewer than ``replan_interval`` steps ago (more where planning costs more than ``probe_budget`` of the
+        plain steps between), and no ``fresh`` sequence (one never planned for: a new request may repeat its
+        prompt from its first token, and its lookups are asked at once). Planning costs host time of its own,
+        which a plain step would otherwise pay every step (a compiled decode step of a small model is a few
+        milliseconds: a plan is a tenth of one). A batch that only lost requests keeps the decision."""
+        replan = max(self.replan_interval, self._spacing(self.planning, num_seqs))
+        if (self.decision.mode == SPECULATE or fresh or self._planned_for < 0 or self._since_planned + 1 >= replan
+                or self._since_asked + 1 >= self._interval):
             return False
         self._since_planned += 1
         self._since_asked += 1
@@ -132,9 +141,22 @@ class GoodputController:
         mode = SPECULATE if plan.speculates else (PROBE if probed else PLAIN)
         self.decision = Decision(mode, plan.speedup, sum(k for _, k in plan.choices))
         self._planned_for, self._since_planned = len(plan.choices), 0
+        self._plain_seconds = plan.plain_seconds
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("goodput: %s, %d drafts over %d sequences, predicted %.3fx, plain step %.3f ms", mode,
                          self.decision.planned_drafts, len(plan.choices), plan.speedup, 1e3 * plan.plain_seconds)
+
+    def observe_planning(self, num_seqs: int, seconds: float) -> None:
+        """The host time a plan for ``num_seqs`` sequences took that left the step plain without asking the
+        lookups (a probe's asks are priced by ``cost.lookup``)."""
+        self.planning.observe(num_seqs, seconds)
+
+    def _spacing(self, cost: LinearCost, num_seqs: int) -> int:
+        """Steps between two of what ``cost`` prices, so that it spends at most ``probe_budget`` of the plain
+        steps in between."""
+        if not cost.ready or self._plain_seconds <= 0.0:
+            return 0
+        return int(cost(num_seqs) / (self.probe_budget * self._plain_seconds))
 
     def _block(self, name: str, tracks: list[SourceTrack], caps: np.ndarray, scale: np.ndarray | float = 1.0,
                extra_fixed: float = 0.0, extra_per_draft: float = 0.0, drafter: int | None = None,

@@ -30,6 +30,8 @@ from engine.types.schedule import ScheduledSeq
 from engine.types.sequence import Sequence
 from engine.types.stats import shares
 
+FADE = 0.95  # what a model drafter's estimate for a sequence keeps of its evidence per step it sits out
+
 
 @dataclass(frozen=True)
 class Drafts:
@@ -54,6 +56,8 @@ class Drafting:
         self.decision = Decision(mode="")  # the controller's, for the step planned last
         self._lookup_seconds = 0.0
         self._pending: tuple[Counter[str], int, float] | None = None  # (speculating by source, scheduled, timed s)
+        self._dirty = True  # whether a sequence's draft state may hold this step's plan (reset before the next)
+        self._unfaded = 0  # plain steps whose fading of the model drafters' estimates is still to be applied
         # Profiles the step-cost model again, into blocks [first, end) nobody owns: once compiled forwards took over
         self.reprofile: Callable[[int, int], None] | None = None
 
@@ -79,10 +83,10 @@ class Drafting:
         """Sets the ``seq.draft`` source, k and lag of each running sequence for this step: none for
         a sequence still prefilling (or recomputing), so no earlier step's plan outlives it."""
         decoding = [s for s in running if s.is_decoding]
-        for seq in running:
-            d = seq.draft
-            d.source, d.k, d.lag, d.lookup, d.forced, d.extend, d.forced_at, d.num_forced = None, 0, 0, [], [], 0, 0, 0
-            d.proposals = {}
+        if self._dirty:  # after a plain step every field is still at its reset value: nothing to reset
+            for seq in running:
+                seq.draft.clear_plan()
+            self._dirty = False
         self._lookup_seconds = 0.0
         adaptive = [False] * len(decoding)
         for i, seq in enumerate(decoding):
@@ -97,6 +101,7 @@ class Drafting:
             self.decision = self.controller.decision
 
     def _assign(self, seq: Sequence, source: DraftSource, k: int, lag: int) -> None:
+        self._dirty = True
         d = seq.draft
         d.source, d.k, d.lag = source.name, k, lag
         if source.name in d.proposals:
@@ -111,14 +116,17 @@ class Drafting:
         """The goodput controller's plan for the sequences on the adaptive path (engine.speculative.controller)."""
         c = self.controller
         assert c is not None
-        if c.still_plain(len(seqs)):
+        if c.still_plain(len(seqs), any(not seq.draft.tracks for seq in seqs)):  # no tracks: never planned for
             return
+        t_plan = time.perf_counter()
+        self._fade(seqs)
         on = np.array(adaptive)
         lags = {s.name: np.array([s.lag(seq) if a else 0 for seq, a in zip(seqs, adaptive)]) for s in self.drafters}
         plan = None if c.asks_again() else c.before_lookups(seqs, on, lags)
         asked = plan is None or c.wants_lookups(plan)
         if asked or plan is None:
             asking = [seq for seq, a in zip(seqs, adaptive) if a]
+            self._dirty = True
             t0 = time.perf_counter()
             for lookup in self.lookups:
                 proposal = lookup.propose([DraftRequest(seq, self.config.k_max) for seq in asking])
@@ -128,6 +136,8 @@ class Drafting:
             c.cost.lookup.observe(len(asking), self._lookup_seconds)
             plan = c.with_proposals(seqs, on, lags)
         c.decide(plan, asked)
+        if not plan.speculates and not asked:  # a speculating step's planning is priced with its other host work
+            c.observe_planning(len(seqs), time.perf_counter() - t_plan)
         for i, (seq, (name, k)) in enumerate(zip(seqs, plan.choices)):
             source = self.source(name) if name is not None and k else None
             if adaptive[i] and source is not None:
@@ -146,10 +156,12 @@ class Drafting:
             # Tokens the grammar forces are accepted with certainty under the masked target, so they cost
             # only the target's marginal per-token price: take as many as the step allows, before any drafter.
             d.forced = seq.grammar.forced()
+            self._dirty = True
             if d.forced:
                 return FORCED, min(len(d.forced), k or self.config.k_max)
         if k is None:
             return None, -1
+        self._dirty = True
         for lookup in self.lookups:
             d.proposals[lookup.name] = lookup.propose([DraftRequest(seq, k)]).tokens[0]
         # A fixed k: the first lookup that matched (the hybrid's need two tokens of match), else a drafter.
@@ -207,6 +219,18 @@ class Drafting:
             if isinstance(drafter, EagleSource):
                 drafter.absorb(scheduled, starts, [s.num_new_tokens + len(d) for s, d in zip(scheduled, drafts)])
 
+    def _fade(self, seqs: list[Sequence]) -> None:
+        """The fading of the plain steps since the last pass, on ``seqs``' model-drafter estimates."""
+        if not self._unfaded:
+            return
+        factor, self._unfaded = FADE**self._unfaded, 0
+        for seq in seqs:
+            tracks = seq.draft.tracks
+            for drafter in self.drafters:
+                track = tracks.get(drafter.name)
+                if track is not None and track.alpha is not None:
+                    track.alpha.fade(factor)
+
     def observe_step(self, step_seconds: float) -> None:
         """The whole step's time: what it spent outside the target, the drafters' forwards and the lookups is host
         work (planning, bookkeeping, verification's and the scheduler's per-token work). A plain step's teaches
@@ -244,6 +268,13 @@ class Drafting:
         # The rest of the step is known once it ends (observe_step): kept until then.
         speculating = Counter(s.seq.draft.source or "" for s, d in zip(scheduled, drafts) if d)
         self._pending = (speculating, len(scheduled), target_seconds + forward_seconds)
+        if not self._dirty:
+            # A plain step: no source drafted or proposed, so each sequence's only news is that the model drafters
+            # sat it out. Their estimates fade once per such step; applied together when next read (_fade), since
+            # a pass over the batch every step was a plain step's largest host cost beside the forward.
+            self._unfaded += 1
+            return
+        self._fade([s.seq for s in scheduled])
         for s, v in zip(scheduled, verdicts):
             d = s.seq.draft
             if v is None or v.error is not None:
@@ -261,7 +292,7 @@ class Drafting:
                 if track is not None and track.alpha is not None and drafter.name != d.source:
                     # A model drafter sitting out has no evidence on this sequence but old: its estimate drifts
                     # back to the source's rate, so one bad stretch does not keep it out for the request's life.
-                    track.alpha.fade(0.95)
+                    track.alpha.fade(FADE)
             if d.source in c.acceptance:  # from its own drafts only: forced ones teach a source nothing
                 for share in shares(d, v.num_drafts, v.num_accepted):
                     if share.source == d.source:

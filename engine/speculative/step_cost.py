@@ -4,6 +4,8 @@ in use (eager first, compiled once the background compile lands) and the batch's
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -111,17 +113,25 @@ class _Curve:
         self.w = context_slope(pts) if w is None else w
         sizes = sorted({n for n, _, _ in pts})
         self.sizes = np.array(sizes, dtype=float)
+        self._xs, self._logs = [float(x) for x in sizes], [math.log(x) for x in sizes]  # the scalar path's
         self.base = np.maximum([np.mean([s - self.w * c for n, c, s in pts if n == m]) for m in sizes], 1e-6)
         self.fix = np.ones(len(sizes))
+        self.fixed = self.fix * self.base  # kept equal to fix * base, which every price reads
 
     def interp(self, values: np.ndarray, tokens: float) -> float:
-        x = self.sizes
+        # In plain Python: the controller prices and corrects one size at a time every step, where numpy's call
+        # overhead was most of a plain step's planning and bookkeeping.
+        x = self._xs
         if len(x) == 1:
             return float(values[0])
-        if tokens > x[-1]:
-            slope = (values[-1] - values[-2]) / (x[-1] - x[-2])
-            return float(values[-1] + max(0.0, slope) * (tokens - x[-1]))
-        return float(np.interp(tokens, x, values))
+        i = bisect.bisect_left(x, tokens)
+        if i == 0:
+            return float(values[0])
+        if i == len(x):
+            slope = float(values[-1] - values[-2]) / (x[-1] - x[-2])
+            return float(values[-1]) + max(0.0, slope) * (tokens - x[-1])
+        lo, hi = float(values[i - 1]), float(values[i])
+        return lo + (hi - lo) * (tokens - x[i - 1]) / (x[i] - x[i - 1])
 
     def interp_many(self, values: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """``interp`` at each of ``tokens`` [n] at once."""
@@ -132,7 +142,8 @@ class _Curve:
         return np.where(tokens > x[-1], values[-1] + slope * (tokens - x[-1]), np.interp(tokens, x, values))
 
     def nearest(self, tokens: float) -> int:
-        return int(np.argmin(np.abs(np.log(self.sizes) - np.log(max(tokens, 1.0)))))
+        t = math.log(max(tokens, 1.0))
+        return min(range(len(self._logs)), key=lambda i: abs(self._logs[i] - t))
 
 
 class TargetCost:
@@ -170,12 +181,12 @@ class TargetCost:
 
     def __call__(self, tokens: float, context: float = 0.0, verify: bool = False) -> float:
         c = self.curves[verify]
-        return self.scale * (c.interp(c.fix * c.base, tokens) + c.w * context)
+        return self.scale * (c.interp(c.fixed, tokens) + c.w * context)
 
     def many(self, tokens: np.ndarray, context: float = 0.0, verify: bool = False) -> np.ndarray:
         """The cost at each of ``tokens`` [n] (one context), as ``__call__`` gives it one at a time."""
         c = self.curves[verify]
-        return self.scale * (c.interp_many(c.fix * c.base, tokens) + c.w * context)
+        return self.scale * (c.interp_many(c.fixed, tokens) + c.w * context)
 
     def observe(self, tokens: float, context: float, seconds: float, verify: bool = False) -> None:
         if seconds <= 0.0:
@@ -183,7 +194,9 @@ class TargetCost:
         c = self.curves[verify]
         shape = c.interp(c.base, tokens) + c.w * context
         self.scale *= (seconds / (self.scale * shape)) ** self.scale_rate
-        c.fix[c.nearest(tokens)] *= (seconds / self(tokens, context, verify)) ** self.size_rate
+        i = c.nearest(tokens)
+        c.fix[i] *= (seconds / self(tokens, context, verify)) ** self.size_rate
+        c.fixed[i] = c.fix[i] * c.base[i]
 
     def per_token(self, length: np.ndarray) -> np.ndarray:
         """What one more token's attention to a context of ``length`` tokens adds (the rest of a token's cost

@@ -79,5 +79,11 @@ class DraftState:
     suffix: SuffixState | None = None  # the suffix drafter's, built on its first draft
     proposals: dict[str, list[int]] = field(default_factory=dict)  # this step's proposal of each lookup source
 
+    def clear_plan(self) -> None:
+        """Forget the last step's plan and proposals (the history in ``tracks`` stays)."""
+        self.source, self.k, self.lag, self.lookup, self.forced = None, 0, 0, [], []
+        self.extend = self.forced_at = self.num_forced = 0
+        self.proposals = {}
+
     def track(self, source: str) -> SourceTrack:
         return self.tracks.setdefault(source, SourceTrack())

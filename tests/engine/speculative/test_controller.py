@@ -126,21 +126,47 @@ def test_a_plain_plan_asks_no_lookup_until_a_probe_is_due():
     assert [c.wants_lookups(p) for p in plans] == [False, False, False, True] * 2
 
 
-def test_a_plain_decision_stands_a_few_steps_for_the_same_batch_without_planning_again():
-    c = controller(1e-2)  # nothing pays
-    seqs, on, lags = batch(8), np.ones(8, dtype=bool), {"draft_model": np.zeros(8)}
+def plain_steps(c: GoodputController, seqs: list, planning: float = 0.0):  # noqa: ANN201
+    """A step function over ``c``: "kept" where the plain decision stands, else it plans (``planning`` seconds
+    of host time, as Drafting measures it) and says "planned" or "probed"."""
+    on, lags = np.ones(len(seqs), dtype=bool), np.zeros(len(seqs))
 
-    def step(n=8):  # noqa: ANN001, ANN202
-        if c.still_plain(n):
+    def step(n: int = len(seqs), fresh: bool = False) -> str:
+        if c.still_plain(n, fresh):
             return "kept"
-        plan = c.before_lookups(seqs[:n], on[:n], {"draft_model": lags["draft_model"][:n]})
-        c.decide(plan, c.wants_lookups(plan))
-        return "planned"
+        plan = c.before_lookups(seqs[:n], on[:n], {"draft_model": lags[:n]})
+        probed = c.wants_lookups(plan)
+        c.decide(plan, probed)
+        if not probed:
+            c.observe_planning(n, planning)
+        return "probed" if probed else "planned"
 
-    assert [step() for _ in range(9)] == ["planned"] + ["kept"] * 7 + ["planned"], "a plan every 8 steps"
-    assert step(7) == "planned", "another batch size: planned again"
+    return step
+
+
+def test_a_plain_decision_stands_a_few_steps_without_planning_again():
+    c = controller(1e-2)  # nothing pays
+    step = plain_steps(c, batch(16))
+    assert [step(8) for _ in range(9)] == ["planned"] + ["kept"] * 7 + ["planned"], "a plan every 8 steps"
+    assert step(7) == "kept", "a request left: the decision stands"
+    assert step(8, fresh=True) == "planned", "a request never planned for joined: planned again"
     c.decide(plan_that_speculates(c), False)
-    assert step() == "planned", "a speculating decision is never kept"
+    assert step(11) == "planned", "a speculating decision is never kept"
+
+
+def test_plain_decisions_are_planned_again_less_often_where_planning_costs_more_than_its_budget():
+    c = controller(1e-2)  # nothing pays
+    c.probe_interval = 10_000  # no probe in the way
+    plain = c.before_lookups(batch(8), np.ones(8, dtype=bool), {"draft_model": np.zeros(8)}).plain_seconds
+    step = plain_steps(c, batch(8), planning=0.2 * plain)  # a fifth of a plain step: 20 steps pay for one
+    steps = [step() for _ in range(100)]
+    gaps = np.diff([i for i, s in enumerate(steps) if s != "kept"])
+    assert len(gaps) >= 3 and all(g == 20 for g in gaps[1:]), gaps
+    cheap = controller(1e-2)
+    cheap.probe_interval = 10_000
+    step = plain_steps(cheap, batch(8), planning=1e-3 * plain)
+    steps = [step() for _ in range(40)]
+    assert set(np.diff([i for i, s in enumerate(steps) if s != "kept"])) == {8}, "cheap planning: every 8 steps"
 
 
 def plan_that_speculates(c: GoodputController):  # noqa: ANN201

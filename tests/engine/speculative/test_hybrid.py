@@ -121,3 +121,34 @@ def test_a_sequence_that_is_not_decoding_keeps_no_earlier_plan(model_sets):
     r.reset_for_recompute()
     engine.drafting.plan([r])
     assert (r.draft.source, r.draft.k, r.draft.lookup) == (None, 0, [])
+
+
+def test_a_drafter_sitting_out_plain_steps_has_faded_once_per_step_when_the_controller_next_reads_it(model_sets):
+    """Plain steps skip the pass over the batch and fade the model drafter's estimates later, all at once: by
+    the time a plan reads them they must be where one fade per step would have left them."""
+    from engine.speculative.drafting import FADE
+    from engine.types.draft_state import AcceptanceEstimate
+
+    engine = engine_for(model_sets["llama"], None)
+    c = engine.controller
+    c.cost.drafters["draft_model"] = dear = LinearCost()
+    dear.observe(1, 1.0)  # a second a forward: the draft model never drafts, every step is plain or a probe
+    engine.add_request("r", FRESH, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    seq = engine.seqs["r"]
+    seq.draft.track("draft_model").alpha = AcceptanceEstimate(hits=8.0, trials=10.0)  # before its first step
+    steps, seen = [0], []
+
+    def spied(plan):  # noqa: ANN001, ANN202
+        def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            seen.append((steps[0], seq.draft.tracks["draft_model"].alpha.hits))
+            return plan(*args, **kwargs)
+        return spy
+
+    for name in ("before_lookups", "with_proposals"):
+        setattr(c, name, spied(getattr(c, name)))
+    for _ in range(30):
+        engine.step()
+        steps[0] += 1
+    assert len({n for n, _ in seen}) >= 3, seen  # planned again several times, after plain steps
+    for n, hits in seen:
+        assert hits == pytest.approx(8.0 * FADE**n, rel=1e-9), (n, hits)
