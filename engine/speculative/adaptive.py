@@ -54,7 +54,10 @@ class SourceAcceptance:
     def gains(self, tracks: list[SourceTrack], scale: np.ndarray | float = 1.0) -> np.ndarray:
         """[S, k_max]: for each sequence, g_j = scale * prod_{p<=j} min(1, level * rho_p), the probability that
         its first j drafts all hold (``scale``: e.g. the chance a lookup proposes anything at all)."""
-        level = np.array([self.level(t) for t in tracks])  # [S]
+        # level() per track, with what every track shares computed once: this runs for each source every planned step
+        prior = self.global_alpha.value(prior=0.5)
+        bonus = self.explore / (1.0 + self.global_alpha.trials) ** 0.5
+        level = np.array([prior if t.alpha is None else t.alpha.value(prior) for t in tracks]) + bonus  # [S]
         rho = np.array(self.position_rates())  # [K]
         return np.cumprod(np.minimum(1.0, level[:, None] * rho[None, :]), axis=1) * np.reshape(scale, (-1, 1))
 

@@ -84,21 +84,30 @@ def solve(num_seqs: int, plain_seconds: float, blocks: list[Block], drafter_cost
     # The cap of each source under each grid point: K_d for a model drafter, k_max for a lookup.
     caps = np.array([grid[:, b.drafter] if b.drafter is not None else np.full(len(grid), K) for b in blocks])  # [M, Gr]
     fixed_grid = grid @ a + step_fixed  # [Gr]
-    gather = np.broadcast_to(caps[None], (S, M, len(grid)))
+    sources = np.arange(M)[:, None]  # [M, 1]: with caps, picks upto[:, m, caps[m, g]] for every (m, g)
+    drafter_of = np.array([-1 if b.drafter is None else b.drafter for b in blocks])  # [M]
 
-    best, rate = base, num_seqs / plain_seconds
+    # Each round only prices the best plan at the current rate; the plan itself (a tuple per sequence) is built
+    # once, for the rate the loop ends at: a step of 64 sequences takes a few rounds, and the host pays for each.
+    found, rate = None, num_seqs / plain_seconds
     for _ in range(32):
         value = gain - rate * cost  # [S, M, K+1]; -inf past the caps, 0 at k = 0
         upto = np.maximum.accumulate(value, axis=2)  # best over k <= cap
-        per_seq = np.take_along_axis(upto, gather, axis=2).max(axis=1)  # [S, Gr]
+        per_seq = upto[:, sources, caps].max(axis=1)  # [S, Gr]
         total = num_seqs - rate * plain_seconds + per_seq.sum(axis=0) - rate * fixed_grid  # [Gr]: E - lambda T
         g = int(np.argmax(total))  # the first maximum: the smallest K_d among equals
         if total[g] <= 1e-12 * num_seqs:
             break  # no plan beats the rate already found
-        plan = _extract(value, caps[:, g], blocks, gain, cost, a, num_seqs, plain_seconds, step_fixed)
-        if plan.tokens / plan.seconds <= rate * (1 + 1e-12):
+        m, k, tokens, seconds = _pick(value, caps[:, g], drafter_of, gain, cost, a, num_seqs, plain_seconds,
+                                      step_fixed)
+        if tokens / seconds <= rate * (1 + 1e-12):
             break
-        best, rate = plan, plan.tokens / plan.seconds
+        found, rate = (m, k, tokens, seconds), tokens / seconds
+    if found is None:
+        return base
+    m, k, tokens, seconds = found
+    choices = tuple((blocks[mi].source, ki) if ki else (None, 0) for mi, ki in zip(m.tolist(), k.tolist()))
+    best = Plan(choices, tokens, seconds, plain_seconds)
     return best if best.speedup > 1.0 + margin else base
 
 
@@ -130,9 +139,11 @@ def solve_one(plain_seconds: float, blocks: list[Block], drafter_costs: tuple[fl
     return best if best.speedup > 1.0 + margin else base
 
 
-def _extract(value: np.ndarray, caps: np.ndarray, blocks: list[Block], gain: np.ndarray, cost: np.ndarray,
-             a: np.ndarray, num_seqs: int, plain_seconds: float, step_fixed: float) -> Plan:
-    """Each sequence's best (source, k <= its cap), and the plan's tokens and seconds with the K_d it really uses."""
+def _pick(value: np.ndarray, caps: np.ndarray, drafter_of: np.ndarray, gain: np.ndarray, cost: np.ndarray,
+          a: np.ndarray, num_seqs: int, plain_seconds: float, step_fixed: float,
+          ) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """Each sequence's best (source m, k <= its cap) [S] each, and the plan's tokens and seconds with the K_d it
+    really uses."""
     S, M, K1 = value.shape
     allowed = np.arange(K1)[None, None, :] <= caps[None, :, None]  # [1, M, K+1]
     flat = np.where(allowed, value, -np.inf).reshape(S, M * K1)
@@ -140,12 +151,13 @@ def _extract(value: np.ndarray, caps: np.ndarray, blocks: list[Block], gain: np.
     rows = np.arange(S)
     m, k = pick // K1, pick % K1
     k = np.where(flat[rows, pick] > 1e-12, k, 0)
-    tokens = num_seqs + float(gain[rows, m, k][k > 0].sum())
-    seconds = plain_seconds + float(cost[rows, m, k][k > 0].sum())
+    drafting = k > 0
+    tokens = num_seqs + float(gain[rows, m, k][drafting].sum())
+    seconds = plain_seconds + float(cost[rows, m, k][drafting].sum())
+    drafter = drafter_of[m]  # [S]
     for d in range(len(a)):
-        ours = np.array([blocks[i].drafter == d for i in range(M)])[m] & (k > 0)
+        ours = drafting & (drafter == d)
         seconds += a[d] * (int(k[ours].max()) if ours.any() else 0)
-    if (k > 0).any():
+    if drafting.any():
         seconds += step_fixed
-    choices = tuple((blocks[mi].source, int(ki)) if ki else (None, 0) for mi, ki in zip(m.tolist(), k.tolist()))
-    return Plan(choices, tokens, seconds, plain_seconds)
+    return m, k, tokens, seconds
