@@ -47,17 +47,17 @@ class SourceAcceptance:
         weight = 4.0  # a position seen rarely stays near the overall rate
         return [(h + overall * weight) / (t + weight) / overall for h, t in zip(self._hits, self._trials)]
 
-    def level(self, track: SourceTrack) -> float:
-        """The sequence's alpha as planned with: its estimate, plus the source's exploration bonus."""
-        return self.alpha(track) + self.explore / (1.0 + self.global_alpha.trials) ** 0.5
+    def levels(self, tracks: list[SourceTrack]) -> np.ndarray:
+        """[S]: each sequence's alpha as planned with, its estimate plus the source's exploration bonus. What every
+        track shares is computed once: this runs for each source every planned step."""
+        prior = self.global_alpha.value(prior=0.5)
+        bonus = self.explore / (1.0 + self.global_alpha.trials) ** 0.5
+        return np.array([prior if t.alpha is None else t.alpha.value(prior) for t in tracks]) + bonus
 
     def gains(self, tracks: list[SourceTrack], scale: np.ndarray | float = 1.0) -> np.ndarray:
         """[S, k_max]: for each sequence, g_j = scale * prod_{p<=j} min(1, level * rho_p), the probability that
         its first j drafts all hold (``scale``: e.g. the chance a lookup proposes anything at all)."""
-        # level() per track, with what every track shares computed once: this runs for each source every planned step
-        prior = self.global_alpha.value(prior=0.5)
-        bonus = self.explore / (1.0 + self.global_alpha.trials) ** 0.5
-        level = np.array([prior if t.alpha is None else t.alpha.value(prior) for t in tracks]) + bonus  # [S]
+        level = self.levels(tracks)  # [S]
         rho = np.array(self.position_rates())  # [K]
         return np.cumprod(np.minimum(1.0, level[:, None] * rho[None, :]), axis=1) * np.reshape(scale, (-1, 1))
 
