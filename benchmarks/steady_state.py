@@ -2,12 +2,13 @@
 """The engine alone under a steady stream: where a speculating step's time goes, by kind of step.
 
     python benchmarks/steady_state.py [--set code_newline] [--concurrency 32] [--requests 96] [--rounds 3]
-                                      [--compile start|off]
+                                      [--compile start|off] [--prefill-hold-steps 4]
 
 Two engines in one process, the default (hybrid, adaptive k) and no speculation, on the embedded pair, greedy,
 128 new tokens. Each keeps --concurrency requests in flight: a request that ends is replaced by the next prompt
 at once, as a loaded server sees them (a fixed LLM.generate batch instead drains to its slowest sequence;
 cost_breakdown.py measures that case). Rounds interleave the engines, each round on prompts not sent before.
+--prefill-hold-steps sets both engines' (0: every prompt admitted at once).
 Per engine and kind of step (decode only or with a prompt chunk; the goodput controller's plain, probe or
 speculate): steps, milliseconds a step, of them the target's forward and the rest (host work and any draft
 forward), tokens emitted and sequences decoding a step. Then the step-cost model's own check: for every decode
@@ -34,7 +35,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from transformers import AutoTokenizer  # noqa: E402
 
 from benchmarks.peer_bench.prompts import PROMPT_SETS  # noqa: E402
-from engine import LLM, SamplingParams, StepStats  # noqa: E402
+from engine import LLM, EngineConfig, SamplingParams, StepStats  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=128, temperature=0.0)
 
@@ -75,6 +76,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=96, help="requests a round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compile", choices=("off", "start"), default="start")
+    ap.add_argument("--prefill-hold-steps", type=int, default=EngineConfig.prefill_hold_steps,
+                    help="both engines' (the server's --prefill-hold-steps)")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "steady_state.json")
     args = ap.parse_args()
     target, draft = str(args.pair / "target"), str(args.pair / "draft")
@@ -82,8 +85,9 @@ def main() -> None:
     prompts = PROMPT_SETS[args.set](tok, args.requests * args.rounds)
     if any(not isinstance(p, str) for p in prompts):  # extraction's schemas, agentic's turns: compare.py runs them
         raise SystemExit(f"--set {args.set}: its requests are more than a prompt each")
-    llms = {"default": LLM(target, draft_model=draft, compile=args.compile),
-            "none": LLM(target, speculative_method="none", compile=args.compile)}
+    hold = args.prefill_hold_steps
+    llms = {"default": LLM(target, draft_model=draft, compile=args.compile, prefill_hold_steps=hold),
+            "none": LLM(target, speculative_method="none", compile=args.compile, prefill_hold_steps=hold)}
     # The step-cost model's prediction for each forward it is shown, taken before it learns from it.
     cost = llms["default"].engine.drafting.controller.cost.target
     checks: list[tuple[float, float, float]] = []
@@ -139,7 +143,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "command": " ".join(sys.argv), "machine": platform.processor() or platform.machine(), "set": args.set,
-        "concurrency": args.concurrency, "compile": args.compile, "tok_s": tok_s,
+        "concurrency": args.concurrency, "compile": args.compile, "prefill_hold_steps": hold, "tok_s": tok_s,
         "default_over_none": medians["default"] / medians["none"], "steps": rows, "step_cost_check": model,
     }, indent=1) + "\n")
     print(f"wrote {args.out}")

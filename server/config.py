@@ -104,6 +104,11 @@ class ServerConfig:
     max_num_batched_tokens: int = option(
         2048, "tokens per step (prompt chunks, drafts and catch-up included)", engine=True
     )
+    prefill_hold_steps: int = option(
+        4, "steps a prompt arriving while the batch decodes may wait for others, to be prefilled with them; it "
+        "waits only while another is due by the recent arrival rate (0: never)", engine=True,
+    )
+    prefill_group_tokens: int = option(512, "waiting prompts of this many tokens in all join at once", engine=True)
     memory_utilization: float | None = option(
         None, "share of the device specd may use in all (weights, activations, KV cache); on CPU, share of the RAM "
         "available besides the weights that the KV cache may take", engine=True,

@@ -54,7 +54,8 @@ class LLMEngine:
         self._keys = random.Random(config.seed)  # keys of unseeded requests' random draws
         self.block_manager = BlockManager(loaded.num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.logit_rows),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.logit_rows,
+                            config.prefill_hold_steps, config.prefill_group_tokens),
             self.block_manager,
             StopChecker(self.eos_ids, self.max_model_len, self.tokenizer),
         )

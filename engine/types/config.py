@@ -67,6 +67,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's own limit
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # A prompt that arrives while the batch decodes waits up to this many steps for others to arrive, so that they
+    # are prefilled in one chunk, when the recent arrival rate says another is due within that time
+    # (engine.sched.scheduler). 0 admits every prompt at once.
+    prefill_hold_steps: int = 4
+    prefill_group_tokens: int = 512  # waiting prompts of this many tokens in all are admitted without waiting
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = from kv_cache_memory_gb, else from the memory plan
     kv_cache_memory_gb: float | None = None  # None = what the memory plan leaves (engine.core.memory_plan)
@@ -129,6 +134,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.prefill_hold_steps < 0 or self.prefill_group_tokens < 1:
+            raise ValueError("prefill_hold_steps must be >= 0 and prefill_group_tokens >= 1")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

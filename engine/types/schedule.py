@@ -14,6 +14,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     logit_rows: int = 2**31  # the largest prompt chunk of a request scoring its prompt (EngineConfig.logit_rows)
+    prefill_hold_steps: int = 0  # EngineConfig.prefill_hold_steps; 0 admits every prompt at once
+    prefill_group_tokens: int = 512  # EngineConfig.prefill_group_tokens
 
 
 @dataclass(frozen=True)
