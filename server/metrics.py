@@ -118,6 +118,7 @@ class Metrics:
             "specd:prefix_cache_queries", "Tokens of admitted sequences looked up in the prefix cache (recomputes too)."
         )
         self.prefix_hits = counter("specd:prefix_cache_hits", "Of those, tokens whose K/V the prefix cache held.")
+        self.held = counter("specd:prefill_held_prompts", "Waiting prompts held a step for later ones.")
         # Structured output: requests, what their grammars cost, and the drafts they force for free.
         self.structured = counter("specd:structured_requests", "Requests (choices) queued with an output constraint.")
         self.grammar_compile = histogram(
@@ -250,6 +251,8 @@ class Metrics:
         if step.prefix_cache_queries:
             self.prefix_queries.inc(step.prefix_cache_queries)
             self.prefix_hits.inc(step.prefix_cache_hits)
+        if step.num_held_prompts:
+            self.held.inc(step.num_held_prompts)
         for result in step.audit_results:
             self.audit[result].inc()
         self.running.set(step.num_running)

@@ -33,7 +33,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._steps = 0  # schedule() calls: the clock prompts are held by
         self._queued_at: dict[int, int] = {}  # id of a waiting sequence -> the step it joined the queue
-        self._arrivals: deque[int] = deque()  # the steps recent prompts arrived at
+        self._arrivals: deque[int] = deque()  # the steps at which prompts arrived lately, each step once
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -43,7 +43,8 @@ class Scheduler:
         else:
             self.waiting.append(seq)
             self._queued_at[id(seq)] = self._steps
-            self._arrivals.append(self._steps)
+            if not self._arrivals or self._arrivals[-1] != self._steps:
+                self._arrivals.append(self._steps)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.background)
@@ -83,6 +84,7 @@ class Scheduler:
             budget -= new + drafts + catch_up
             i += 1
         if self._holds_prompts(out):
+            out.held_prompts = len(self.waiting)
             return out
         for queue in (self.waiting, self.background):
             if queue is self.background and self.waiting:
@@ -117,8 +119,10 @@ class Scheduler:
         common: requests that accept drafts at different rates end at different steps, so their successors arrive one
         by one. So a prompt waits while the batch decodes and no prompt chunk is in the step, for at most
         ``prefill_hold_steps`` steps, while another is due within them at the recent arrival rate, and until the
-        waiting prompts make ``prefill_group_tokens``. At low load no other is due, so none waits. vLLM's V0 scheduler
-        had a delay of this kind (``scheduler_delay_factor``), without the arrival rate."""
+        waiting prompts make ``prefill_group_tokens``. The rate counts steps that saw an arrival, not arrivals: a
+        burst arrives together and is prefilled together anyway, and must not make the stragglers after it wait. At
+        low load no other is due, so none waits. vLLM's V0 scheduler had a delay of this kind
+        (``scheduler_delay_factor``), without the arrival rate."""
         hold = self.config.prefill_hold_steps
         window = 8 * hold  # the arrival rate is counted over the last 8 holds
         while self._arrivals and self._arrivals[0] <= self._steps - window:
@@ -131,7 +135,7 @@ class Scheduler:
             return False
         if sum(seq.num_tokens for seq in self.waiting) >= self.config.prefill_group_tokens:
             return False
-        # rate * hold >= 1, with rate = arrivals / window: at least one more arrival is due within the hold.
+        # rate * hold >= 1, with rate = arrival steps / window: another arrival is due within the hold.
         return len(self._arrivals) * hold >= window
 
     def _chunk(self, seq: Sequence, tokens: int, budget: int) -> int:

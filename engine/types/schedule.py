@@ -39,6 +39,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     prefix_queried: int = 0  # tokens of the sequences admitted this step, looked up in the prefix cache
     prefix_hit: int = 0  # of those, tokens found there
+    held_prompts: int = 0  # waiting prompts held this step for others to be prefilled with (Scheduler._holds_prompts)
 
     @property
     def num_tokens(self) -> int:

@@ -87,6 +87,7 @@ class StepStats:
     audit_results: tuple[str, ...] = ()  # losslessness audits judged this step: "match", "mismatch", "near_tie"
     prefix_cache_queries: int = 0  # tokens of the sequences admitted this step, looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens whose K/V came from it
+    num_held_prompts: int = 0  # waiting prompts held this step, to be prefilled with later ones
     num_forced_draft_tokens: int = 0  # of num_draft_tokens, those the grammar forced (engine.speculative.forced)
     num_forced_accepted_tokens: int = 0
     grammar_seconds: float = 0.0  # computing grammar masks within the step
@@ -129,6 +130,7 @@ class StepStats:
             num_preempted=len(sched.preempted),
             prefix_cache_queries=sched.prefix_queried,
             prefix_cache_hits=sched.prefix_hit,
+            num_held_prompts=sched.held_prompts,
             num_running=num_running,
             num_waiting=num_waiting,
             kv_usage=kv_usage,

@@ -147,7 +147,7 @@ EXPORTED = [
         "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
         "spec_decode_num_accepted_tokens_per_pos", "prompt_tokens", "generation_tokens", "request_success",
         "request_failure", "engine_steps", "engine_step_seconds", "target_forward_seconds", "draft_seconds",
-        "prefix_cache_queries", "prefix_cache_hits", "structured_requests", "grammar_seconds",
+        "prefix_cache_queries", "prefix_cache_hits", "prefill_held_prompts", "structured_requests", "grammar_seconds",
         "grammar_forced_draft_tokens", "grammar_forced_accepted_tokens",
     )),
     *(f"specd:{g}" for g in (
@@ -424,3 +424,11 @@ def test_the_losslessness_audit_is_counted_by_result(make_server, model_sets):
     scrape = Scrape.of(live)
     assert set(scrape.by("specd:spec_decode_audit_total", "result")) == {"match", "mismatch", "near_tie"}
     assert scrape.value("specd:spec_decode_audit_total", model_name=MODEL, result="mismatch") == 0
+
+
+def test_prompts_held_for_company_are_counted_once_a_step_each():
+    m = Metrics("m")
+    m.observe_step(step_stats(num_held_prompts=3), [])
+    m.observe_step(step_stats(num_held_prompts=2), [])
+    m.observe_step(step_stats(), [])
+    assert Scrape(m.render().decode()).value("specd:prefill_held_prompts_total") == 5
