@@ -54,12 +54,14 @@ Per (set, concurrency, system): tokens/s (output tokens, recounted from the text
 tokenizer, over the run's wall time), the share of outputs that are repetition loops
 (peer_bench/loops.py: a looping model flatters any lookup drafter, so read a ratio with its loop
 share), TTFT p50, TPOT p50/p99 ((latency - TTFT) / (tokens - 1) per request), acceptance (specd,
-llama.cpp: from /metrics), tokens per target forward, whether the text equals specd none's, and for
-specd's speculative runs the bound E(a,k)/(1+kc) from the measured acceptance and costs
-(peer_bench/report.py says how). Prints the tables and writes the results JSON (--out, default
-benchmarks/results/compare.json) with two plots beside it, named after it: OUT_throughput.png
-(tokens/s against concurrency) and OUT_bound.png (measured speedup against the bound). It never
-writes a doc: docs/performance.md quotes the figures it keeps and names the JSON they come from.
+llama.cpp: from /metrics), tokens per target forward, whether the text equals specd none's (where not,
+peer_bench/divergence.py finds the first differing token and the target's top-2 logit gap there: a
+near-tie, or unexplained; the JSON keeps each such text), and for specd's speculative runs the
+bound E(a,k)/(1+kc) from the measured acceptance and costs (peer_bench/report.py says how). Prints
+the tables and writes the results JSON (--out, default benchmarks/results/compare.json) with two
+plots beside it, named after it: OUT_throughput.png (tokens/s against concurrency) and
+OUT_bound.png (measured speedup against the bound). It never writes a doc: docs/performance.md
+quotes the figures it keeps and names the JSON they come from.
 With llama.cpp in the run, a second table gives specd over llama.cpp (report.VERSUS).
 
 The never-lose matrix: the server's default against no speculation on every prompt set, at 1 to 64
@@ -77,6 +79,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -88,7 +91,7 @@ for p in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(p))
 
 import torch  # noqa: E402
-from peer_bench import client, report  # noqa: E402
+from peer_bench import client, divergence, report  # noqa: E402
 from peer_bench.loops import is_loop  # noqa: E402
 from peer_bench.prompts import DEFAULT_SETS, PROMPT_SETS  # noqa: E402
 from peer_bench.systems import LLAMACPP, Running, System, llamacpp_missing, llamacpp_systems, systems  # noqa: E402
@@ -126,6 +129,10 @@ def main() -> None:
     ap.add_argument("--base-tree", type=Path,
                     help="another checkout (a git worktree of an earlier commit, say): adds 'specd adaptive default "
                          "(base)', the default server run from there, to A/B two commits on one run's prompts")
+    ap.add_argument("--variant", nargs=2, action="append", default=[], metavar=("SYSTEM", "ARGS"),
+                    help="adds 'SYSTEM (ARGS)': a specd system started with ARGS after its own, to A/B a server option "
+                         "on one run's prompts, e.g. --variant 'specd none compiled' '--prefill-hold-steps 0' "
+                         "(named in --systems or not, it runs)")
     args = ap.parse_args()
     report.BASELINE = args.baseline  # read by the report's functions when they run
 
@@ -163,7 +170,8 @@ def main() -> None:
                         if r.system.kind == "generate" and (conc > 1 or any(map(needs_server, batch))):
                             continue
                         run = client.measure(r, batch, args.max_tokens, conc, args.max_others_cpu, args.attempts)
-                        rows.append(row_of(rnd, name, conc, r.system.name, run, tok) | {"repeated_prompts": repeated})
+                        rows.append(row_of(rnd, name, conc, r.system.name, run, tok, batch)
+                                    | {"repeated_prompts": repeated})
                         x = rows[-1]
                         print(f"round {rnd + 1}/{args.rounds} {name:12s} c{conc:<3d} {r.system.name:24s} "
                               f"{x['tokens_per_s']:8.1f} tok/s  loops {x['loops']}/{len(x['ttft_ms'])}  "
@@ -174,6 +182,7 @@ def main() -> None:
         for r in running:
             r.stop()
     mark_same_text(rows)
+    divergence.judge_rows(rows, Path(args.target))
     lines = report.summarize(rows)
     machine = (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {args.device}"
                + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))
@@ -188,7 +197,7 @@ def main() -> None:
             + (f"\n\n{report.versus_table(versus)}" if versus else "") + f"\n\n{report.noise(rows)}")
     print("\n" + title + "\n\n" + text)
     for r in rows:
-        r.pop("texts")
+        del r["texts"], r["prompts"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"title": title, "args": {k: str(v) for k, v in vars(args).items()},
                                     "summary": lines, "versus": versus, "rows": rows}, indent=1))
@@ -227,6 +236,12 @@ def choose_systems(args: argparse.Namespace, ap: argparse.ArgumentParser) -> lis
     if args.base_tree is not None:
         default = next(s for s in known if s.name == "specd adaptive default")
         known.append(dataclasses.replace(default, name=f"{default.name} (base)", cwd=args.base_tree.resolve()))
+    variants = []
+    for name, extra in args.variant:
+        base = next((s for s in known if s.name == name and s.kind == "server" and s.binary is None), None)
+        if base is None:
+            ap.error(f"--variant: {name!r} is not a specd server system")
+        variants.append(dataclasses.replace(base, name=f"{name} ({extra})", args=(*base.args, *shlex.split(extra))))
     unknown = set(args.systems or ()) - {s.name for s in known} - set(LLAMACPP)
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}; known: {[s.name for s in known] + list(LLAMACPP)}")
@@ -236,11 +251,13 @@ def choose_systems(args: argparse.Namespace, ap: argparse.ArgumentParser) -> lis
             print(f"leaving out {', '.join(LLAMACPP)}: {missing}", flush=True)
         else:
             known += llamacpp_systems(args.target, args.draft, args.threads, max(args.concurrency))
-    return [s for s in known if s.name in args.systems] if args.systems else [s for s in known if s.default]
+    chosen = [s for s in known if s.name in args.systems] if args.systems else [s for s in known if s.default]
+    return chosen + variants
 
 
-def row_of(rnd: int, name: str, conc: int, system: str, run: client.Run, tok: object) -> dict:
+def row_of(rnd: int, name: str, conc: int, system: str, run: client.Run, tok: object, batch: list) -> dict:
     ok = [x for x in run.results if x.ok]
+    texts = [x.text if x.ok else None for x in run.results]
     ids = [tok.encode(x.text, add_special_tokens=False) for x in ok]
     counts = [len(x) for x in ids]
     row = {
@@ -250,7 +267,7 @@ def row_of(rnd: int, name: str, conc: int, system: str, run: client.Run, tok: ob
         "loops": sum(map(is_loop, ids)),
         "ttft_ms": [x.ttft * 1e3 for x in ok],
         "tpot_ms": [(x.latency - x.ttft) / (n - 1) * 1e3 for x, n in zip(ok, counts, strict=True) if n > 1],
-        "counters": run.counters, "texts": [x.text if x.ok else None for x in run.results], "same_text": None,
+        "counters": run.counters, "texts": texts, "prompts": divergence.sent_prompts(batch, texts), "same_text": None,
         "foreign_cpu": run.foreign_cpu,
     }
     if ok and "target_forwards" in ok[0].usage:
@@ -259,12 +276,14 @@ def row_of(rnd: int, name: str, conc: int, system: str, run: client.Run, tok: ob
 
 
 def mark_same_text(rows: list[dict]) -> None:
-    """Greedy output must not depend on the system: count texts equal to specd none's for the same prompt."""
-    base = {(r["round"], r["set"], r["concurrency"]): r["texts"] for r in rows if r["system"] == report.BASELINE}
+    """Greedy output must not depend on the system: count texts equal to the baseline's for the same prompt,
+    and keep the ones that differ (peer_bench/divergence.py judges them)."""
+    base = {(r["round"], r["set"], r["concurrency"]): r for r in rows if r["system"] == report.BASELINE}
     for r in rows:
         ref = base.get((r["round"], r["set"], r["concurrency"]))
         if ref is not None and r["system"] != report.BASELINE:
-            r["same_text"] = sum(a is not None and a == b for a, b in zip(r["texts"], ref, strict=True))
+            r["same_text"] = sum(a is not None and a == b for a, b in zip(r["texts"], ref["texts"], strict=True))
+            r["differences"] = divergence.differences(r["prompts"], r["texts"], ref["prompts"], ref["texts"])
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from pathlib import Path
 
 from engine_bench.bound import alpha_geo, expected  # benchmarks/ is on sys.path
@@ -53,6 +54,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             "acceptance": counters["spec_decode_num_accepted_tokens"] / drafted if drafted else None,
             "same_text_as_none": sum(r["same_text"] for r in sel if r["same_text"] is not None),
             "compared_texts": sum(r["requests"] for r in sel if r["same_text"] is not None),
+            "differences": dict(Counter(c["kind"] for r in sel for c in r.get("differences") or ())),
             "counters": counters,
         }
         if any(r.get("hf_forwards") for r in sel):
@@ -138,6 +140,8 @@ def table(lines: list[dict]) -> str:
     body = []
     for x in lines:
         same = f"{x['same_text_as_none']}/{x['compared_texts']}" if x["compared_texts"] else "-"
+        if x.get("differences"):
+            same += " (" + ", ".join(f"{n} {kind}" for kind, n in sorted(x["differences"].items())) + ")"
         body.append(
             f"| {x['set']} | {x['concurrency']} | {x['system']} | {x['tokens_per_s']:.1f} "
             f"| {fmt(x.get('loop_share'), '.0%')} | {fmt(x['vs_none'], '.2f')} "

@@ -144,3 +144,20 @@ def test_each_batch_takes_the_sets_next_prompts_and_counts_what_a_server_was_sen
     reused = Batches({"code": ["a", "b", "c"]}, reuse=True)
     assert reused.next("code", 2) == (["a", "b"], 0)
     assert reused.next("code", 2) == (["a", "b"], 2)
+
+
+def test_a_variant_is_its_system_started_with_the_arguments_added():
+    import argparse
+
+    import compare
+
+    ap = argparse.ArgumentParser()
+    args = argparse.Namespace(target="t", draft="d", device="cpu", base_tree=None, threads=2, concurrency=[1],
+                              systems=["specd none compiled"],
+                              variant=[["specd none compiled", "--prefill-hold-steps 0"]])
+    none, variant = compare.choose_systems(args, ap)
+    assert variant.name == "specd none compiled (--prefill-hold-steps 0)"
+    assert variant.args == (*none.args, "--prefill-hold-steps", "0")
+    args.variant = [["llama.cpp spec", "-x"]]
+    with pytest.raises(SystemExit):
+        compare.choose_systems(args, ap)
