@@ -133,8 +133,14 @@ def main() -> None:
                     help="adds 'SYSTEM (ARGS)': a specd system started with ARGS after its own, to A/B a server option "
                          "on one run's prompts, e.g. --variant 'specd none compiled' '--prefill-hold-steps 0' "
                          "(named in --systems or not, it runs)")
+    ap.add_argument("--rejudge", type=Path, metavar="JSON",
+                    help="judge a results JSON's differing texts again (with this peer_bench/divergence.py), "
+                         "rewrite its summary and versus tables and exit")
     args = ap.parse_args()
     report.BASELINE = args.baseline  # read by the report's functions when they run
+    if args.rejudge:
+        rejudge(args.rejudge, Path(args.target))
+        return
 
     chosen = choose_systems(args, ap)
     if not any(s.name == report.BASELINE for s in chosen):
@@ -273,6 +279,20 @@ def row_of(rnd: int, name: str, conc: int, system: str, run: client.Run, tok: ob
     if ok and "target_forwards" in ok[0].usage:
         row["hf_forwards"] = [sum(x.usage["target_forwards"] for x in ok), sum(x.usage["draft_forwards"] for x in ok)]
     return row
+
+
+def rejudge(path: Path, target: Path) -> None:
+    data = json.loads(path.read_text())
+    report.BASELINE = data["args"]["baseline"]
+    for c in (c for r in data["rows"] for c in r.get("differences") or ()):
+        if c["prompt"] is not None:  # what differences() kept, its verdict dropped
+            kept = {k: c[k] for k in ("index", "prompt", "text", "baseline_text")}
+            c.clear()
+            c.update(kept, kind="unjudged")
+    divergence.judge_rows(data["rows"], target)
+    data["summary"], data["versus"] = report.summarize(data["rows"]), report.versus(data["rows"])
+    path.write_text(json.dumps(data, indent=1))
+    print(report.table(data["summary"]))
 
 
 def mark_same_text(rows: list[dict]) -> None:

@@ -65,21 +65,35 @@ class Judge:
 
     def __call__(self, case: dict) -> None:
         """Fills in the first differing token and the target's logits there; kind becomes near-tie or
-        unexplained."""
+        unexplained. The target's own greedy tokens find the token: a text's tokens are not recoverable from
+        it (re-encoding merges differently), and a prefix encoded otherwise is a context the target never saw."""
         if case["kind"] != "unjudged":
             return
+        a, b = case["text"], case["baseline_text"]
         prompt = self.tok.encode(case["prompt"])
-        a = self.tok.encode(case["text"], add_special_tokens=False)
-        b = self.tok.encode(case["baseline_text"], add_special_tokens=False)
-        j = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        longest = max(len(self.tok.encode(t, add_special_tokens=False)) for t in (a, b))
         with torch.no_grad():
-            logits = self.model(torch.tensor([prompt + a[:j]])).logits[0, -1].float()  # [vocab]
-        top = torch.topk(logits, 2)
-        gap = float(top.values[0] - top.values[1])
-        # The two texts' tokens at the divergence (None where one text ended there).
-        ta, tb = (a[j] if j < len(a) else None), (b[j] if j < len(b) else None)
-        pair = (float(logits[ta] - logits[tb]) if ta is not None and tb is not None else None)
-        case.update({"token": j, "tokens": [ta, tb], "top2_gap": gap, "logit_difference": pair,
+            out = self.model.generate(torch.tensor([prompt]), max_new_tokens=longest + 16, do_sample=False,
+                                      output_logits=True, return_dict_in_generate=True,
+                                      pad_token_id=self.tok.eos_token_id)
+        ids = out.sequences[0, len(prompt):].tolist()
+        eos = self.tok.eos_token_id
+        for j in range(len(ids)):
+            text = self.tok.decode(ids[: j + 1], skip_special_tokens=True)
+            ended = ids[j] == eos
+            on_a = a.startswith(text) and (not ended or len(a) == len(text))
+            on_b = b.startswith(text) and (not ended or len(b) == len(text))
+            if not (on_a and on_b):
+                break
+            if ended:
+                case.update({"kind": "unexplained", "token": None, "follows": "both"})
+                return
+        else:
+            case.update({"kind": "unexplained", "token": None, "follows": "both"})
+            return
+        top = torch.topk(out.logits[j][0].float(), 2).values  # the logits at the first token the texts part at
+        gap = float(top[0] - top[1])
+        case.update({"token": j, "top2_gap": gap, "follows": "text" if on_a else "baseline" if on_b else "neither",
                      "kind": "near-tie" if gap < NEAR_TIE else "unexplained"})
 
 

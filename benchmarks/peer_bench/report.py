@@ -11,6 +11,7 @@ from engine_bench.bound import alpha_geo, expected  # benchmarks/ is on sys.path
 BASELINE = "specd none"
 # Head-to-head ratios, specd over a peer, each round's pair measured side by side.
 VERSUS = (("specd adaptive", "llama.cpp spec"), ("specd adaptive compiled", "llama.cpp spec"),
+          ("specd adaptive default", "llama.cpp spec"),
           ("specd draft", "llama.cpp spec"), ("specd none", "llama.cpp none"), ("specd adaptive", "llama.cpp none"),
           ("llama.cpp spec", "llama.cpp none"))
 

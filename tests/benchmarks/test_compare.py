@@ -161,3 +161,30 @@ def test_a_variant_is_its_system_started_with_the_arguments_added():
     args.variant = [["llama.cpp spec", "-x"]]
     with pytest.raises(SystemExit):
         compare.choose_systems(args, ap)
+
+
+def test_rejudging_a_results_json_replaces_each_verdict_and_the_summary(tmp_path):
+    import json
+
+    import compare
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = BENCH.parent / "models" / "default" / "target"
+    tok, model = AutoTokenizer.from_pretrained(target), AutoModelForCausalLM.from_pretrained(target)
+    prompt = "def add(a, b):\n    return"
+    ids = tok.encode(prompt)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)[0, len(ids):].tolist()
+    logits = model(torch.tensor([ids + out[:1]])).logits[0, -1]
+    other = out[:1] + [int(torch.topk(logits, 2).indices[1])]  # the runner-up at the second token
+    stale = {"index": 0, "kind": "near-tie", "prompt": prompt, "text": tok.decode(other),
+             "baseline_text": tok.decode(out), "token": 7, "top2_gap": 0.0}
+    rows = [row(0, "specd none", 10.0), row(0, "specd adaptive", 12.0, same=3) | {"differences": [stale]}]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"args": {"baseline": "specd none"}, "rows": rows, "summary": [], "versus": []}))
+    compare.rejudge(path, target)
+    data = json.loads(path.read_text())
+    case = data["rows"][1]["differences"][0]
+    assert case["kind"] == "unexplained" and case["token"] == 1 and case["follows"] == "baseline"
+    line = next(x for x in data["summary"] if x["system"] == "specd adaptive")
+    assert line["differences"] == {"unexplained": 1} and line["same_text_as_none"] == 3

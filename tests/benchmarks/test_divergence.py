@@ -61,9 +61,9 @@ def test_a_difference_where_the_target_is_decided_is_unexplained(judge):
     case = {"kind": "unjudged", "prompt": prompt, "text": judge.tok.decode(other),
             "baseline_text": judge.tok.decode(ids)}
     judge(case)
-    assert case["token"] == 3 and case["tokens"] == [runner_up, ids[3]]
-    assert case["kind"] == "unexplained" and case["top2_gap"] > 1e-4
-    assert case["logit_difference"] == pytest.approx(-case["top2_gap"], abs=1e-4), "the runner-up against the top"
+    assert case["token"] == 3 and case["follows"] == "baseline"
+    assert case["kind"] == "unexplained" and case["top2_gap"] == pytest.approx(
+        float(logits[ids[3]] - logits[runner_up]), abs=1e-4)
 
 
 def test_a_difference_on_a_near_tie_is_excused(judge, monkeypatch):
@@ -75,7 +75,7 @@ def test_a_difference_on_a_near_tie_is_excused(judge, monkeypatch):
     case = {"kind": "unjudged", "prompt": prompt, "text": judge.tok.decode(ids[:2]),
             "baseline_text": judge.tok.decode(ids)}
     judge(case)
-    assert case["kind"] == "near-tie" and case["token"] == 2 and case["tokens"] == [None, ids[2]]
+    assert case["kind"] == "near-tie" and case["token"] == 2 and case["follows"] == "baseline"
     done = dict(case)
     judge(case)
     assert case == done, "a judged case is left as it is"
