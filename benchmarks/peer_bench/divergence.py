@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .workload import Conversation, Item, as_request, requests_in
+from engine.core.audit import NEAR_TIE  # the server's own audit's float32 threshold
 
-NEAR_TIE = 1e-4  # engine/core/audit.py's: the float32 top-2 gap below which rounding may flip the argmax
+from .workload import Conversation, Item, as_request, requests_in
 
 
 def sent_prompts(batch: list[Item], texts: list[str | None]) -> list[str | None]:
