@@ -83,12 +83,9 @@ class Judge:
             ended = ids[j] == eos
             on_a = a.startswith(text) and (not ended or len(a) == len(text))
             on_b = b.startswith(text) and (not ended or len(b) == len(text))
-            if not (on_a and on_b):
+            if not (on_a and on_b):  # at the end of one text at the latest: the two differ
                 break
-            if ended:
-                case.update({"kind": "unexplained", "token": None, "follows": "both"})
-                return
-        else:
+        else:  # the target ran out of tokens before the texts parted
             case.update({"kind": "unexplained", "token": None, "follows": "both"})
             return
         top = torch.topk(out.logits[j][0].float(), 2).values  # the logits at the first token the texts part at
