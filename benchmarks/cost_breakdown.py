@@ -68,7 +68,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", type=Path, default=REPO_ROOT / "models" / "default")
     ap.add_argument("--compile", choices=("off", "start"), default="off")
-    ap.add_argument("--sets", nargs="+", default=["code", "code_newline", "random"])
+    # generate() takes text: agentic conversations (each turn built from the last output) and extraction's
+    # response_format run through the server, in compare.py.
+    ap.add_argument("--sets", nargs="+", default=["code", "code_newline", "random"],
+                    choices=[name for name in PROMPT_SETS if name not in ("agentic", "extraction")])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
