@@ -50,8 +50,25 @@ def test_agentic_turn_2_resends_turn_1_prompt_and_output_then_asks_again(tok):
     turn2 = conv.next_prompt(conv.first, output)
     assert turn2.startswith(conv.first + output) and turn2.endswith(AGAIN + snippet.split("\n", 1)[0])
     assert conv.turns == 3
-    for conv in agentic_prompts(tok, 8):  # the last turn, with 128 new tokens after every turn, fits
-        assert len(tok.encode(conv.first)) + (conv.turns - 1) * (128 + len(tok.encode(conv.follow_up))) + 128 <= 512
+
+
+def test_every_agentic_last_turn_fits_the_context_even_where_a_snippet_must_be_cut_or_dropped(tok):
+    from peer_bench.agentic import RESEND_SLACK, agentic_prompts, fitted, snippet_tokens
+    from peer_bench.heldout import snippets
+
+    # 300 conversations: 8 of their first 300 snippets have a first line too long to fit (16 of 100 last turns
+    # overflowed the context, a 400 for both servers, before the follow-up and the resent outputs were counted)
+    convs = agentic_prompts(tok, 300)
+    assert len({c.first for c in convs}) == 300
+    for conv in convs:
+        follow_up = len(tok.encode(conv.follow_up))
+        assert len(tok.encode(conv.first)) + 2 * (128 + RESEND_SLACK + follow_up) + 128 <= 512
+    drawn = snippets(tok, 300, snippet_tokens(512))
+    assert any(fitted(tok, s, 512) is None for s in drawn)
+    long_line = "x = [" + ", ".join(str(i) for i in range(400)) + "]"
+    assert fitted(tok, long_line, 512) is None
+    cut = fitted(tok, "def f():\n" + "\n".join(f"    y{i} = {i}" for i in range(200)), 512)
+    assert cut is not None and cut.first.startswith("def f():\n    y0 = 0\n")
 
 
 def test_the_client_builds_each_turn_from_the_previous_turns_output_in_order():
