@@ -72,7 +72,10 @@ class CompiledForward:
         # dynamo counts recompilations per code object: one model's warm-up layouts pass the default limit of 8,
         # after which every new layout ran eagerly (with a warning) for the rest of the process. Given here, not
         # in torch._dynamo.config where this torch allows (compile_limit says why).
-        compiled = compile_with_limit(self.entry, 64, dynamic=True, options=options)
+        # One graph per layout or none: with the module guards gone, the frames dynamo resumes after a graph break
+        # reused graphs across layouts and gave wrong logits (a tiny llama with a break in its first layer: 0.12
+        # off at 4 sequences x 5 tokens after 1 x 2). A model with a break fails here and runs eagerly (_fail).
+        compiled = compile_with_limit(self.entry, 64, dynamic=True, fullgraph=True, options=options)
 
         def call(**inputs: Any) -> Any:
             with compiled_call():
