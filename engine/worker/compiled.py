@@ -73,7 +73,7 @@ class CompiledForward:
         # after which every new layout ran eagerly (with a warning) for the rest of the process. Given here, not
         # in torch._dynamo.config where this torch allows (compile_limit says why).
         # One graph per layout or none: with the module guards gone, the frames dynamo resumes after a graph break
-        # reused graphs across layouts and gave wrong logits (a tiny llama with a break in its first layer: 0.12
+        # reused graphs across layouts and gave wrong logits (a tiny llama with a break in its first layer: 0.12-0.21
         # off at 4 sequences x 5 tokens after 1 x 2). A model with a break fails here and runs eagerly (_fail).
         compiled = compile_with_limit(self.entry, 64, dynamic=True, fullgraph=True, options=options)
 
