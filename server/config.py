@@ -73,6 +73,9 @@ class ServerConfig:
         None, "drafts per step, 0..16, or `adaptive`: chosen per sequence per step", none_words=("adaptive", "auto"),
         metavar="K", engine=True, shown_default="`adaptive`",
     )
+    max_speculative_tokens: int = option(
+        8, "with adaptive k: the most drafts a sequence gets in a step, 1..16 (the shipped graphs are for 8: "
+        "another K compiles its own)", metavar="K", engine=True)
     suffix_cache_requests: int = option(
         1000, "suffix decoding: keep the outputs of this many recently ended requests to draft from", metavar="N",
         engine=True,
@@ -102,8 +105,7 @@ class ServerConfig:
     max_model_len: int | None = option(None, "context length", engine=True, shown_default="the model's")
     max_num_seqs: int = option(64, "largest running batch", engine=True)
     max_num_batched_tokens: int = option(
-        2048, "tokens per step (prompt chunks, drafts and catch-up included)", engine=True
-    )
+        2048, "tokens per step (prompt chunks, drafts and catch-up included)", engine=True)
     prefill_hold_steps: int = option(
         4, "steps a prompt arriving while the batch decodes may wait for others, to be prefilled with them; it "
         "waits only while another is due by the recent arrival rate (0: never)", engine=True,
@@ -280,9 +282,8 @@ class ServerConfig:
         return EngineConfig(**options)
 
 
-def load_config(
-    yaml_path: str | None = None, overrides: dict[str, Any] | None = None, environ: Mapping[str, str] | None = None
-) -> ServerConfig:
+def load_config(yaml_path: str | None = None, overrides: dict[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> ServerConfig:
     """Defaults, then SPECD_* environment variables, then the YAML file (``yaml_path``, else $SPECD_CONFIG;
     keys with dashes or underscores), then ``overrides`` (the flags actually given on the command line)."""
     env = os.environ if environ is None else environ

@@ -370,9 +370,11 @@ def check_script(path: Path, args: list[str], where: str) -> None:
     source = path.read_text()
     if path.suffix == ".sh":  # a wrapper: the flags it passes on belong to the Python script it runs
         source += "".join((ROOT / py).read_text() for py in re.findall(r'(\S+\.py) "\$@"', source))
-    for arg in args:
+    for i, arg in enumerate(args):
         flag = arg.split("=", 1)[0]
-        if flag.startswith("--"):
+        if i >= 2 and args[i - 2] == "--variant":  # compare.py's server system started with these options
+            check_specd(["serve", *shlex.split(arg)], ROOT, where)
+        elif flag.startswith("--"):
             assert f'"{flag}"' in source, f"{where}: {path.name} defines no {flag}"
 
 
