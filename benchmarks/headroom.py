@@ -9,10 +9,11 @@ goal is out of reach for any engine at that run's acceptance, and what acceptanc
 What it takes from each run, per (set, concurrency):
 - a, the per-token acceptance fitted to the default's mean accepted length at its mean k (the bound's model,
   peer_bench/report.py), from the server's counters;
-- p, the share of the clients' time spent before each first token without speculation (sum of times to first
-  token over concurrency x the round's seconds, median over rounds): prefill and the first token, which
-  speculation does not shorten. Amdahl: a decode B times faster makes the whole 1 / (p + (1 - p) / B) faster;
-  under load this is an estimate (a time to first token there also waits for other sequences' steps);
+- p, the share of the time without speculation that speculation does not shorten: the engine's steps that fed
+  prompt tokens (``specd:prefill_step_seconds`` over ``specd:engine_step_seconds``). A run from before that
+  counter gives the clients' share instead: times to first token over concurrency x the round's seconds, median
+  over rounds, which under load misses the prefill steps other sequences wait through (extraction at 8: 0.24
+  against the engine's 0.47 in one run; at 1, 0.32 and 0.30). Amdahl: a decode B times faster makes the whole 1 / (p + (1 - p) / B) faster;
 - the plain decode step's cost per sequence: the no-speculation server's step seconds, less the share p, over
   the tokens it emitted.
 
@@ -112,6 +113,29 @@ def alpha_needed(goal: float, c: float, p: float) -> float | None:
     return hi
 
 
+def cost_allowed(goal: float, alpha: float, p: float) -> float | None:
+    """The largest c (a drafted row's cost over the plain decode step's) at which acceptance ``alpha`` and prefill
+    share ``p`` still reach ``goal``, all else free (None: not even at c = 0)."""
+    if amdahl(p, best_bound(alpha, 0.0)[0]) < goal:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if amdahl(p, best_bound(alpha, mid)[0]) >= goal else (lo, mid)
+    return lo
+
+
+def row_cost_measured(cell: dict) -> float | None:
+    """At concurrency 1, what a drafted token cost the server: the drafting and the target's time beyond the plain
+    forward per step, per drafted token (peer_bench/report.py's c, in seconds)."""
+    d, n = cell["default"]["counters"], cell["none"]["counters"]
+    if cell["none"]["concurrency"] != 1 or not d.get("spec_decode_num_draft_tokens"):
+        return None
+    s = n["target_forward_seconds"] / n["engine_steps"]
+    extra = max(0.0, d["target_forward_seconds"] - d["engine_steps"] * s)
+    return (d["draft_seconds"] + extra) / d["spec_decode_num_draft_tokens"]
+
+
 def cells(runs: list[dict]) -> dict[tuple[str, int], dict]:
     """(set, concurrency) -> the default's and no speculation's summary lines and the latter's rounds; a later
     run replaces an earlier one's."""
@@ -129,7 +153,11 @@ def cells(runs: list[dict]) -> dict[tuple[str, int], dict]:
 def headroom(cell: dict, floor_per_row: float, goal: float | None) -> dict:
     d, n = cell["default"]["counters"], cell["none"]["counters"]
     conc = cell["none"]["concurrency"]
-    p = statistics.median(sum(r["ttft_ms"]) / 1e3 / (conc * r["seconds"]) for r in cell["none_rounds"])
+    if n.get("prefill_step_seconds") is not None:
+        p, source = n["prefill_step_seconds"] / n["engine_step_seconds"], "engine"
+    else:
+        p = statistics.median(sum(r["ttft_ms"]) / 1e3 / (conc * r["seconds"]) for r in cell["none_rounds"])
+        source = "clients"
     drafts = d["spec_decode_num_drafts"]
     k = d["spec_decode_num_draft_tokens"] / drafts
     alpha = alpha_geo(1 + d["spec_decode_num_accepted_tokens"] / drafts, k)
@@ -137,23 +165,27 @@ def headroom(cell: dict, floor_per_row: float, goal: float | None) -> dict:
     c = floor_per_row / plain
     decode, k_best = best_bound(alpha, c)
     return {"measured": cell["default"]["vs_none"], "alpha": alpha, "mean_k": k, "prefill_share": p,
+            "prefill_share_from": source,
             "plain_ms": 1e3 * plain, "c_floor": c, "decode_bound_at_floor": decode, "k_at_floor": k_best,
             "bound_at_floor": amdahl(p, decode), "bound_all_free": amdahl(p, expected(alpha, K_MOST)),
-            "goal": goal, "alpha_needed_at_floor": alpha_needed(goal, c, p) if goal else None}
+            "goal": goal, "alpha_needed_at_floor": alpha_needed(goal, c, p) if goal else None,
+            "row_ms_allowed": 1e3 * plain * allowed if (allowed := goal and cost_allowed(goal, alpha, p)) else None,
+            "row_ms_measured": 1e3 * measured if (measured := row_cost_measured(cell)) else None}
 
 
 def table(rows: list[dict], floor_ms: float) -> str:
     out = [f"floor of one drafted row: {floor_ms:.3f} ms (matrix products only)", "",
            "| set | conc | measured | a | p | plain ms/seq-step | c floor | bound at floor (k) | every cost 0 "
-           "| goal | a the goal needs at floor |", "|" + "---|" * 11]
+           "| goal | a the goal needs at floor | drafted row ms: the goal allows / measured |", "|" + "---|" * 12]
     for r in rows:
         need = r["alpha_needed_at_floor"]
         need_text = "-" if not r["goal"] else ("unreachable" if need is None else f"{need:.3f}")
         goal_text = f"{r['goal']:.1f}x" if r["goal"] else "-"
+        rows_text = " / ".join("-" if v is None else f"{v:.3f}" for v in (r["row_ms_allowed"], r["row_ms_measured"]))
         out.append(f"| {r['set']} | {r['concurrency']} | {r['measured']:.2f}x | {r['alpha']:.3f} | "
                    f"{r['prefill_share']:.2f} | {r['plain_ms']:.2f} | {r['c_floor']:.3f} | "
                    f"{r['bound_at_floor']:.2f}x ({r['k_at_floor']}) | "
-                   f"{r['bound_all_free']:.2f}x | {goal_text} | {need_text} |")
+                   f"{r['bound_all_free']:.2f}x | {goal_text} | {need_text} | {rows_text} |")
     return "\n".join(out)
 
 

@@ -89,12 +89,10 @@ class Metrics:
             "specd:spec_decode_num_drafts", "Sequence-steps that verified at least one draft, by the method that "
             "drafted first in them.", by_method, registry=r,
         )
-        self._draft_tokens = Counter(
-            "specd:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", by_method, registry=r
-        )
-        self._accepted_tokens = Counter(
-            "specd:spec_decode_num_accepted_tokens", "Draft tokens the target accepted.", by_method, registry=r
-        )
+        self._draft_tokens = Counter("specd:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                                     by_method, registry=r)
+        self._accepted_tokens = Counter("specd:spec_decode_num_accepted_tokens", "Draft tokens the target accepted.",
+                                        by_method, registry=r)
         self._per_pos_family = Counter(
             "specd:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0 = the first draft token), by the method that drafted it.",
@@ -110,6 +108,7 @@ class Metrics:
         # Where step time goes: with these, speedup bounds and the engine's own share come from /metrics.
         self.steps = counter("specd:engine_steps", "Engine steps (one target forward each).")
         self.step_seconds = counter("specd:engine_step_seconds", "Wall time of engine steps, seconds.")
+        self.prefill_seconds = counter("specd:prefill_step_seconds", "Of those, steps that fed prompt tokens.")
         self.target_seconds = counter("specd:target_forward_seconds", "Target forward passes within steps, seconds.")
         self.draft_seconds = counter("specd:draft_seconds", "Drafting (proposals, all draft forwards) within steps.")
         self.controller = ControllerMetrics(r, name)
@@ -224,6 +223,8 @@ class Metrics:
         self.window.add(step)
         self.steps.inc()
         self.step_seconds.inc(step.step_seconds)
+        if step.num_prompt_tokens:  # a prompt's chunk, alone or beside decodes: time speculation cannot shorten
+            self.prefill_seconds.inc(step.step_seconds)
         self.target_seconds.inc(step.target_seconds)
         self.draft_seconds.inc(step.draft_seconds)
         self.controller.observe_step(step)

@@ -53,7 +53,7 @@ def test_a_cell_takes_acceptance_from_the_default_and_the_decode_cost_from_no_sp
     run = {"summary": [default, none], "rows": rounds}
     cell = headroom.cells([run])[("code", 2)]
     got = headroom.headroom(cell, floor_per_row=0.001, goal=2.0)
-    assert got["prefill_share"] == pytest.approx(0.2)
+    assert got["prefill_share"] == pytest.approx(0.2) and got["prefill_share_from"] == "clients"
     assert got["mean_k"] == 4.0 and expected(got["alpha"], 4.0) == pytest.approx(3.0)
     assert got["plain_ms"] == pytest.approx(1e3 * 2.0 * 0.8 / 400)  # 4 ms a decode sequence-step
     assert got["c_floor"] == pytest.approx(0.25)
@@ -68,3 +68,15 @@ def test_a_later_run_replaces_an_earlier_ones_cell():
         return {"summary": [line(headroom.DEFAULT, counters, vs), line(headroom.NONE, {}, 1.0)], "rows": []}
 
     assert headroom.cells([run(1.1), run(1.3)])[("code", 2)]["default"]["vs_none"] == 1.3
+
+
+def test_the_engines_prefill_steps_give_the_share_where_the_run_counted_them():
+    default = line(headroom.DEFAULT, {"spec_decode_num_drafts": 10.0, "spec_decode_num_draft_tokens": 40.0,
+                                      "spec_decode_num_accepted_tokens": 20.0}, 1.5)
+    none = line(headroom.NONE, {"engine_step_seconds": 2.0, "prefill_step_seconds": 1.0,
+                                "generation_tokens": 400.0}, 1.0)
+    rounds = [{"round": 1, "set": "code", "concurrency": 2, "system": headroom.NONE, "seconds": 1.0,
+               "ttft_ms": [100.0, 100.0]}]
+    got = headroom.headroom(headroom.cells([{"summary": [default, none], "rows": rounds}])[("code", 2)], 0.001, None)
+    assert got["prefill_share"] == 0.5 and got["prefill_share_from"] == "engine"
+    assert got["plain_ms"] == pytest.approx(1e3 * 1.0 / 400)

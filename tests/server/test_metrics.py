@@ -117,6 +117,9 @@ def test_token_counters_equal_the_usage_returned_streamed_or_not_with_n_choices(
     target_s = delta(before, after, "specd:target_forward_seconds_total", model_name=MODEL)
     draft_s = delta(before, after, "specd:draft_seconds_total", model_name=MODEL)
     assert 0 < target_s and 0 < draft_s and target_s + draft_s <= step_s
+    # Each choice's prompt was fed in a step of its own or beside others' decodes: some, never all, of the time.
+    prefill_s = delta(before, after, "specd:prefill_step_seconds_total", model_name=MODEL)
+    assert 0 < prefill_s < step_s
 
 
 def test_speculation_counters_agree_with_each_other(server):
@@ -146,7 +149,8 @@ EXPORTED = [
     *(f"specd:{c}_total" for c in (
         "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
         "spec_decode_num_accepted_tokens_per_pos", "prompt_tokens", "generation_tokens", "request_success",
-        "request_failure", "engine_steps", "engine_step_seconds", "target_forward_seconds", "draft_seconds",
+        "request_failure", "engine_steps", "engine_step_seconds", "prefill_step_seconds", "target_forward_seconds",
+        "draft_seconds",
         "prefix_cache_queries", "prefix_cache_hits", "prefill_held_prompts", "structured_requests", "grammar_seconds",
         "grammar_forced_draft_tokens", "grammar_forced_accepted_tokens",
     )),
