@@ -13,7 +13,8 @@ What it takes from each run, per (set, concurrency):
   prompt tokens (``specd:prefill_step_seconds`` over ``specd:engine_step_seconds``). A run from before that
   counter gives the clients' share instead: times to first token over concurrency x the round's seconds, median
   over rounds, which under load misses the prefill steps other sequences wait through (extraction at 8: 0.24
-  against the engine's 0.47 in one run; at 1, 0.32 and 0.30). Amdahl: a decode B times faster makes the whole 1 / (p + (1 - p) / B) faster;
+  against the engine's 0.47 in one run; at 1, 0.32 and 0.30). Amdahl: a decode B times faster makes the whole
+  1 / (p + (1 - p) / B) times faster;
 - the plain decode step's cost per sequence: the no-speculation server's step seconds, less the share p, over
   the tokens it emitted.
 
@@ -21,7 +22,8 @@ The floor of one more drafted row: twice the target's matrix-product weights (ev
 in FLOPs, at the faster of two measured rates: a 2048-square sgemm, and the target's own layer shapes at 512
 rows (``F.linear``, float32, the run's thread count). c_floor is that over the plain decode step's cost per
 sequence, and the decode's bound is the best over k = 1..16 (the server's most); with every cost at zero it is
-E(a, 16). Both are given through Amdahl's p.
+E(a, 16). Both are given through Amdahl's p. For each goal: the least a that reaches it at the floor, and the
+most a drafted row may cost at the measured a (beside what one cost the server, at concurrency 1).
 A later run's (set, concurrency) replaces an earlier one's. Writes benchmarks/results/headroom.json.
 """
 
