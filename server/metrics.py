@@ -108,7 +108,7 @@ class Metrics:
         # Where step time goes: with these, speedup bounds and the engine's own share come from /metrics.
         self.steps = counter("specd:engine_steps", "Engine steps (one target forward each).")
         self.step_seconds = counter("specd:engine_step_seconds", "Wall time of engine steps, seconds.")
-        self.prefill_seconds = counter("specd:prefill_step_seconds", "Of those, steps that fed prompt tokens.")
+        self.prefill_seconds = counter("specd:prefill_step_seconds", "Of that, steps that fed prompt tokens, seconds.")
         self.target_seconds = counter("specd:target_forward_seconds", "Target forward passes within steps, seconds.")
         self.draft_seconds = counter("specd:draft_seconds", "Drafting (proposals, all draft forwards) within steps.")
         self.controller = ControllerMetrics(r, name)

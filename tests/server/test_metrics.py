@@ -150,9 +150,8 @@ EXPORTED = [
         "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
         "spec_decode_num_accepted_tokens_per_pos", "prompt_tokens", "generation_tokens", "request_success",
         "request_failure", "engine_steps", "engine_step_seconds", "prefill_step_seconds", "target_forward_seconds",
-        "draft_seconds",
-        "prefix_cache_queries", "prefix_cache_hits", "prefill_held_prompts", "structured_requests", "grammar_seconds",
-        "grammar_forced_draft_tokens", "grammar_forced_accepted_tokens",
+        "draft_seconds", "prefix_cache_queries", "prefix_cache_hits", "prefill_held_prompts", "structured_requests",
+        "grammar_seconds", "grammar_forced_draft_tokens", "grammar_forced_accepted_tokens",
     )),
     *(f"specd:{g}" for g in (
         "spec_decode_acceptance_rate", "spec_decode_acceptance_rate_overall", "generation_tokens_per_second",
