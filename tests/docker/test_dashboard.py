@@ -20,7 +20,7 @@ PANELS = {  # what the dashboard must show, by panel title
     "Acceptance rate", "Acceptance by method", "Acceptance by draft position", "Mean accepted length",
     "Tokens per second",
     "Time to first token", "Inter-token latency", "Queue depth", "KV cache usage", "Adaptive k",
-    "Prefix cache hit rate",
+    "Prefix cache hit rate", "Where step time goes",
 }
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 
