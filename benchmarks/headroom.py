@@ -10,7 +10,9 @@ What it takes from each run, per (set, concurrency):
 - a, the per-token acceptance fitted to the default's mean accepted length at its mean k (the bound's model,
   peer_bench/report.py), from the server's counters;
 - p, the share of the time without speculation that speculation does not shorten: the engine's steps that fed
-  prompt tokens (``specd:prefill_step_seconds`` over ``specd:engine_step_seconds``). A run from before that
+  prompt tokens (``specd:prefill_step_seconds`` over ``specd:engine_step_seconds``). Above one sequence such a
+  step may also have decoded the others, so each request's prompt step is taken to carry one whole plain decode
+  step (at most what that decode added), which errs toward a smaller p and a larger bound. A run from before that
   counter gives the clients' share instead: times to first token over concurrency x the round's seconds, median
   over rounds, which under load misses the prefill steps other sequences wait through (extraction at 8: 0.24
   against the engine's 0.47 in one run; at 1, 0.32 and 0.30). Amdahl: a decode B times faster makes the whole
@@ -131,7 +133,8 @@ def row_cost_measured(cell: dict) -> float | None:
     """At concurrency 1, what a drafted token cost the server: the drafting and the target's time beyond the plain
     forward per step, per drafted token (peer_bench/report.py's c, in seconds)."""
     d, n = cell["default"]["counters"], cell["none"]["counters"]
-    if cell["none"]["concurrency"] != 1 or not d.get("spec_decode_num_draft_tokens"):
+    if (cell["none"]["concurrency"] != 1 or not d.get("spec_decode_num_draft_tokens")
+            or "target_forward_seconds" not in d or not n.get("engine_steps")):
         return None
     s = n["target_forward_seconds"] / n["engine_steps"]
     extra = max(0.0, d["target_forward_seconds"] - d["engine_steps"] * s)
@@ -156,7 +159,10 @@ def headroom(cell: dict, floor_per_row: float, goal: float | None) -> dict:
     d, n = cell["default"]["counters"], cell["none"]["counters"]
     conc = cell["none"]["concurrency"]
     if n.get("prefill_step_seconds") is not None:
-        p, source = n["prefill_step_seconds"] / n["engine_step_seconds"], "engine"
+        prefill, total, requests = n["prefill_step_seconds"], n["engine_step_seconds"], cell["none"]["requests"]
+        decode_step = (total - prefill) / max(1.0, n["engine_steps"] - requests)  # a plain decode step
+        beside = requests * decode_step if conc > 1 else 0.0  # others' decodes in the prompts' steps, at most
+        p, source = max(0.0, prefill - beside) / total, "engine"
     else:
         p = statistics.median(sum(r["ttft_ms"]) / 1e3 / (conc * r["seconds"]) for r in cell["none_rounds"])
         source = "clients"

@@ -70,16 +70,24 @@ def test_a_later_run_replaces_an_earlier_ones_cell():
     assert headroom.cells([run(1.1), run(1.3)])[("code", 2)]["default"]["vs_none"] == 1.3
 
 
-def test_the_engines_prefill_steps_give_the_share_where_the_run_counted_them():
+def test_the_engines_prefill_steps_give_the_share_less_a_decode_step_each_beside_other_sequences():
     default = line(headroom.DEFAULT, {"spec_decode_num_drafts": 10.0, "spec_decode_num_draft_tokens": 40.0,
                                       "spec_decode_num_accepted_tokens": 20.0}, 1.5)
-    none = line(headroom.NONE, {"engine_step_seconds": 2.0, "prefill_step_seconds": 1.0,
-                                "generation_tokens": 400.0}, 1.0)
+    # 10 requests; 1 s of prompt steps; the other 1 s over 200 - 10 steps is 1/190 s a plain decode step.
+    none = {**line(headroom.NONE, {"engine_step_seconds": 2.0, "prefill_step_seconds": 1.0, "engine_steps": 200.0,
+                                   "generation_tokens": 400.0}, 1.0), "requests": 10}
     rounds = [{"round": 1, "set": "code", "concurrency": 2, "system": headroom.NONE, "seconds": 1.0,
                "ttft_ms": [100.0, 100.0]}]
-    got = headroom.headroom(headroom.cells([{"summary": [default, none], "rows": rounds}])[("code", 2)], 0.001, None)
-    assert got["prefill_share"] == 0.5 and got["prefill_share_from"] == "engine"
-    assert got["plain_ms"] == pytest.approx(1e3 * 1.0 / 400)
+
+    def share(conc: int) -> dict:
+        cell = headroom.cells([{"summary": [{**default, "concurrency": conc}, {**none, "concurrency": conc}],
+                                "rows": [{**r, "concurrency": conc} for r in rounds]}])[("code", conc)]
+        return headroom.headroom(cell, 0.001, None)
+
+    alone, beside = share(1), share(2)
+    assert alone["prefill_share"] == 0.5 and alone["prefill_share_from"] == "engine"  # nothing else ran then
+    assert beside["prefill_share"] == pytest.approx((1.0 - 10 / 190) / 2.0)
+    assert beside["plain_ms"] == pytest.approx(1e3 * (2.0 - (1.0 - 10 / 190)) / 400)
 
 
 def test_the_cost_a_goal_allows_reaches_the_goal_and_a_dearer_row_does_not():
