@@ -15,7 +15,7 @@ What it takes from each run, per (set, concurrency):
   step (at most what that decode added), which errs toward a smaller p and a larger bound. A run from before that
   counter gives the clients' share instead: times to first token over concurrency x the round's seconds, median
   over rounds, which under load misses the prefill steps other sequences wait through (extraction at 8: 0.24
-  against the engine's 0.47 in one run; at 1, 0.32 and 0.30). Amdahl: a decode B times faster makes the whole
+  against the engine's 0.35-0.47 in one run; at 1, 0.32 and 0.30). Amdahl: a decode B times faster makes the whole
   1 / (p + (1 - p) / B) times faster;
 - the plain decode step's cost per sequence: the no-speculation server's step seconds, less the share p, over
   the tokens it emitted.
