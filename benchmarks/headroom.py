@@ -130,15 +130,12 @@ def cost_allowed(goal: float, alpha: float, p: float) -> float | None:
 
 
 def row_cost_measured(cell: dict) -> float | None:
-    """At concurrency 1, what a drafted token cost the server: the drafting and the target's time beyond the plain
-    forward per step, per drafted token (peer_bench/report.py's c, in seconds)."""
-    d, n = cell["default"]["counters"], cell["none"]["counters"]
-    if (cell["none"]["concurrency"] != 1 or not d.get("spec_decode_num_draft_tokens")
-            or "target_forward_seconds" not in d or not n.get("engine_steps")):
+    """What a drafted token cost the server, in seconds: the summary's c (peer_bench/report.py, at concurrency 1
+    only: drafting and the target's time beyond the plain forward, per drafted token, over the plain forward)."""
+    c, n = cell["default"].get("c"), cell["none"]["counters"]
+    if c is None or not n.get("engine_steps"):
         return None
-    s = n["target_forward_seconds"] / n["engine_steps"]
-    extra = max(0.0, d["target_forward_seconds"] - d["engine_steps"] * s)
-    return (d["draft_seconds"] + extra) / d["spec_decode_num_draft_tokens"]
+    return c * n["target_forward_seconds"] / n["engine_steps"]
 
 
 def cells(runs: list[dict]) -> dict[tuple[str, int], dict]:

@@ -98,10 +98,7 @@ def test_the_cost_a_goal_allows_reaches_the_goal_and_a_dearer_row_does_not():
     assert headroom.cost_allowed(3.0, 0.8, 0.3) is None  # E(0.8, 16) < 5: not even free rows
 
 
-def test_a_drafted_tokens_measured_cost_is_the_drafting_and_the_forward_time_beyond_the_plain_steps():
-    default = {"concurrency": 1, "counters": {"spec_decode_num_draft_tokens": 100.0, "engine_steps": 50.0,
-                                              "target_forward_seconds": 0.3, "draft_seconds": 0.05}}
+def test_a_drafted_tokens_measured_cost_is_the_summarys_c_times_the_plain_forward():
     none = {"concurrency": 1, "counters": {"engine_steps": 200.0, "target_forward_seconds": 0.8}}  # 4 ms a step
-    # 0.3 s of forwards against 50 plain ones (0.2 s): 0.1 s more, and 0.05 s of drafting, over 100 drafts.
-    assert headroom.row_cost_measured({"default": default, "none": none}) == pytest.approx(0.0015)
-    assert headroom.row_cost_measured({"default": default, "none": {**none, "concurrency": 8}}) is None
+    assert headroom.row_cost_measured({"default": {"c": 0.375}, "none": none}) == pytest.approx(0.0015)
+    assert headroom.row_cost_measured({"default": {}, "none": none}) is None  # above 1 the report gives no c
