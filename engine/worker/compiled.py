@@ -77,11 +77,22 @@ class CompiledForward:
         # off at 4 sequences x 5 tokens after 1 x 2). A model with a break fails here and runs eagerly (_fail).
         compiled = compile_with_limit(self.entry, 64, dynamic=True, fullgraph=True, options=options)
 
+        # Once frozen: the graphs compiled so far and never a new one, for this thread alone.
+        # set_stance("eager_on_recompile") did that for the whole process: while one thread served, another's
+        # warm-up ran eagerly, and two threads' overlapping stances could leave it set for good (a later model
+        # then never compiled).
+        run_only = torch._dynamo.run(self.entry)
+
         def call(**inputs: Any) -> Any:
             with compiled_call():
                 return compiled(model, inputs)
 
+        def serve(**inputs: Any) -> Any:
+            with compiled_call():
+                return run_only(model, inputs)
+
         self._compiled: Callable[..., Any] = call
+        self._serve: Callable[..., Any] = serve
         self.failed = False
         self.frozen = False  # set after the warm-up: a layout met later runs eagerly, uncompiled
         # While a background warm-up is due or running, its thread: only that thread's forwards compile. Any other
@@ -126,8 +137,7 @@ class CompiledForward:
                     # a batched workload meets dozens): those run eagerly, the warmed-up ones compiled. dynamo
                     # falls back silently; the attention layers' eager-call count tells it happened.
                     before = attention.eager_calls()
-                    with torch.compiler.set_stance("eager_on_recompile"):
-                        out = self._compiled(**inputs)
+                    out = self._serve(**inputs)
                     if attention.eager_calls() != before:
                         if not self.uncompiled:
                             logger.info("%s met a layout its warm-up did not compile; such forwards run eagerly "
@@ -261,9 +271,7 @@ class BackgroundWarmUp:
             compiled.frozen = True
         for compiled, _ in self.jobs if done else []:
             compiled.frozen = True
-        # Every model switches at once, when no warm-up is left: a frozen model's forwards run under
-        # set_stance("eager_on_recompile"), which holds for the whole process, and a warm-up still compiling
-        # in here then ran its layouts eagerly (the draft's batch-1 gather forwards ran uncompiled ever after).
+        # Every model switches at once, when no warm-up is left: a step then runs all its forwards one way.
         for compiled, _ in self.jobs:
             compiled.warming_in = None
         self.seconds = time.perf_counter() - t0
