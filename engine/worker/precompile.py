@@ -114,7 +114,7 @@ def load(runner: Any, path: Path) -> Precompiled | None:
         logger.exception("loading the precompiled graphs of %s failed; compiling here", runner.name)
         return None
     # Precompiled checks a graph's guards to pick it, and torch's own call checked them all again: every
-    # forward, target and draft alike (batch-1 agentic turns: 1.10x tokens/s once, on 2 CPU cores). Set here,
+    # forward, target and draft alike (batch-1 agentic turns: 1.11x tokens/s in process, on 2 CPU cores). Set here,
     # not in aot_graphs, whose text keys the graph files (a change there would leave the shipped ones stale).
     for candidates in graphs.graphs.values():
         for fn in candidates:

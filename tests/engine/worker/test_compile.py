@@ -182,7 +182,7 @@ def test_compiled_speculation_is_lossless_and_really_compiled(compiled_llm, pair
 
 def test_a_precompiled_forward_checks_each_graphs_guards_once(compiled_llm, monkeypatch):
     """The graph that runs had its guards checked to be picked; torch's call of it checked them all again, every
-    forward (batch-1 agentic turns ran 1.10x faster without)."""
+    forward (batch-1 agentic turns ran 1.11x faster without)."""
     runner = compiled_llm.engine.target
     checked: list[int] = []
     for graphs in runner.compiled.precompiled.graphs.values():
