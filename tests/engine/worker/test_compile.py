@@ -80,7 +80,7 @@ def runners(llm: LLM) -> list[ModelRunner]:
     return [llm.engine.target, *(d.runner for d in llm.engine.drafting.drafters)]
 
 
-# A cold compile of the pair while requests are served: 278 s in CI, 560 s on a 2-core machine of the same kind
+# A cold compile of the pair while requests are served: 278 s in CI, 560-990 s on a slower 2-core AVX2 machine
 @pytest.mark.timeout(1200)
 def test_requests_are_served_eagerly_before_the_background_compile_and_compiled_after_it(held_llm, pair8):
     llm = held_llm
