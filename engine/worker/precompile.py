@@ -33,7 +33,8 @@ import torch
 import transformers
 
 from engine.layers import small_linear
-from engine.worker.aot_graphs import Precompiled, compile_runner, stale
+from engine.worker import model_guards
+from engine.worker.aot_graphs import Entry, Precompiled, compile_runner, stale
 from engine.worker.compile_cache import PRECOMPILED, cache_dir, machine
 from engine.worker.warm_up_layouts import warm_up_blocks
 
@@ -109,10 +110,14 @@ def load(runner: Any, path: Path) -> Precompiled | None:
         logger.info("precompiled graphs of %s: the model is loaded twice in this process; compiling here", runner.name)
         return None
     try:
-        graphs = Precompiled(runner, path.read_bytes())
+        with model_guards.checked_at_load(Entry(runner.model)) as split:
+            graphs = Precompiled(runner, path.read_bytes())
     except Exception:
         logger.exception("loading the precompiled graphs of %s failed; compiling here", runner.name)
         return None
+    if split.kept_whole:
+        logger.info("%d of %d precompiled graphs of %s do not fit the model as loaded: they will not run",
+                    split.kept_whole, split.graphs, runner.name)
     # Precompiled checks a graph's guards to pick it, and torch's own call checked them all again: every
     # forward, target and draft alike (batch-1 agentic turns: 1.11x tokens/s in process, on 2 CPU cores). Set here,
     # not in aot_graphs, whose text keys the graph files (a change there would leave the shipped ones stale).

@@ -199,6 +199,49 @@ def test_a_precompiled_forward_checks_each_graphs_guards_once(compiled_llm, monk
     assert checked and len(checked) == len(set(checked)), "a graph's guards checked twice in one forward"
 
 
+def _decode_step(llm: LLM, runner: ModelRunner) -> tuple[int, int]:
+    """One decode forward of a layout the warm-up compiled, in the warm-up's own blocks (no sequence's cache):
+    how many forwards then ran compiled, and how many eagerly in a layout with no graph that fit."""
+    runner.forward(ForwardBatch([[7]], [5], [[llm.engine.block_manager.num_blocks]], [1]))
+    return runner.compiled.calls, runner.compiled.uncompiled
+
+
+def test_a_precompiled_forward_checks_no_guard_on_the_model_it_was_loaded_for(compiled_llm, monkeypatch):
+    """The model's ~90% of a graph's guards (its modules' attributes, parameters, types) were checked once when
+    the graph was read back (engine.worker.model_guards): a forward passes though an attribute of the model that
+    its graphs hold as a constant has changed since (its final norm's epsilon), which a check of every guard
+    would fail (next test)."""
+    runner = compiled_llm.engine.target
+    norm = runner.model.model.norm
+    calls, uncompiled = runner.compiled.calls, runner.compiled.uncompiled
+    monkeypatch.setattr(norm, "variance_epsilon", 2 * norm.variance_epsilon)
+    assert _decode_step(compiled_llm, runner) == (calls + 1, uncompiled), "its model's guards were checked"
+
+
+def test_graphs_that_do_not_fit_the_model_at_load_keep_every_guard_and_never_run(compiled_llm, monkeypatch, caplog):
+    """Read back while the model differs from the one traced (its final norm's epsilon, a constant in the graphs),
+    each graph fails its model's guards at load: it keeps them all, fails them every forward, and the forward
+    runs eagerly. Read back as traced, the same file's graphs run."""
+    caplog.set_level(logging.INFO, logger="engine")
+    runner = compiled_llm.engine.target
+    norm, path = runner.model.model.norm, precompile.artifact(runner, compiled_llm.engine.config.k_max)
+    eps = norm.variance_epsilon
+    with monkeypatch.context() as changed:
+        changed.setattr(norm, "variance_epsilon", 2 * eps)
+        unfit = precompile.load(runner, path)
+        assert unfit is not None and f"{len(unfit)} of {len(unfit)} precompiled graphs of" in caplog.text
+        monkeypatch.setattr(runner.compiled, "precompiled", unfit)
+        calls, uncompiled = runner.compiled.calls, runner.compiled.uncompiled
+        assert _decode_step(compiled_llm, runner) == (calls, uncompiled + 1), "a graph ran on a model it does not fit"
+    assert norm.variance_epsilon == eps
+    caplog.clear()
+    fit = precompile.load(runner, path)
+    assert fit is not None and "do not fit" not in caplog.text
+    monkeypatch.setattr(runner.compiled, "precompiled", fit)
+    calls, uncompiled = runner.compiled.calls, runner.compiled.uncompiled
+    assert _decode_step(compiled_llm, runner) == (calls + 1, uncompiled)
+
+
 def test_short_prompts_alone_or_many_at_once_meet_no_uncompiled_layout(compiled_llm, pair8):
     """A prompt of up to SHORT_QUERY tokens is fed through the compiled path: one of more than small_linear's rows
     alone (its LM head then takes one row), and more prompts of one length admitted together than the head's
