@@ -39,6 +39,7 @@ from engine.worker.compile_cache import machine  # noqa: E402
 from server.cli import parse_config  # noqa: E402
 
 ARMS = ("every guard", "not the model's")
+MIN_CHECKS = 50  # per arm, for a median worth printing
 
 
 def instrument(runner: Any, times: dict[str, list[float]], turn: itertools.count) -> int:
@@ -103,7 +104,8 @@ def main() -> None:
     print(f"| model | graphs | checks | {ARMS[0]} (us) | {ARMS[1]} (us) | saved per forward | forward (us) |")
     print("|---|---|---|---|---|---|---|")
     for name, t in times.items():
-        if not t[ARMS[0]] or not t[ARMS[1]]:
+        if min(len(t[ARMS[0]]), len(t[ARMS[1]])) < MIN_CHECKS:
+            print(f"| {name} | {graphs[name]} | {len(t[ARMS[0]]) + len(t[ARMS[1]])} | too few to tell | | | |")
             continue
         full, split = (1e6 * statistics.median(t[arm]) for arm in ARMS)
         forward = 1e6 * statistics.median(t["forward"])
