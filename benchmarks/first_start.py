@@ -130,7 +130,7 @@ def main() -> int:
             runs.append(run(name, mode, target, args.minutes, prompts, fresh))
     if args.without_shipped:
         bare = Path(tempfile.mkdtemp(prefix="target-"))
-        shutil.copytree(PAIR / "target", bare / "target", ignore=shutil.ignore_patterns("compile-cache.*"))
+        shutil.copytree(PAIR / "target", bare / "target", ignore=shutil.ignore_patterns("compile-cache*"))
         runs.append(run("default, nothing shipped", "auto", bare / "target", args.minutes, prompts, fresh))
     per = {name: [windows(r, args.minutes) for r in runs if r["name"] == name] for name in dict.fromkeys(
         r["name"] for r in runs)}

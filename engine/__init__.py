@@ -23,11 +23,10 @@ from engine.types.outputs import CompletionOutput, RequestOutput
 from engine.types.sampling_params import SamplingParams
 from engine.types.sequence import TokenLogprob
 from engine.types.stats import SourceStats, StepStats, StepTotals
-from engine.worker.compile_cache import ARCHIVE as COMPILE_CACHE_ARCHIVE
+from engine.worker.compile_cache import archive as compile_cache_archive
 from engine.worker.compile_cache import pack as pack_compile_cache
 
 __all__ = [
-    "COMPILE_CACHE_ARCHIVE",
     "GRAMMAR_SOURCE",
     "LLM",
     "AuditResult",
@@ -56,6 +55,7 @@ __all__ = [
     "dry_run",
     "exit_head",
     "follow_rank",
+    "compile_cache_archive",
     "pack_compile_cache",
     "parse_size",
     "save_head",

@@ -1,12 +1,13 @@
-"""A compile cache shipped beside a model: inductor's cache directory as it stood after the server compiled that
-model, packed (``compile-cache.tar.xz``), with the machine it was built on (``compile-cache.json``). A machine that
-matches it (torch, Python, the CPU's vector instructions, the C++ compiler) unpacks it into its own cache before
-compiling. It holds the child's graph files (engine.worker.precompile), which the server loads at once where the
-code they traced is this checkout's, and inductor's own entries, which make a compile after a change to that code
-faster where the graphs did not change. Anything else that differs only makes both miss and compile as they
-would have: the archive can go stale, never wrong.
+"""Compile caches shipped beside a model: inductor's cache directory as it stood after the server compiled that
+model, packed (``compile-cache-<isa>.tar.xz``), with the machine it was built on (``compile-cache-<isa>.json``),
+one pair per kind of CPU it was built on. A machine that matches one (torch, Python, the CPU's vector
+instructions, the C++ compiler) unpacks it into its own cache before compiling. It holds the child's graph files
+(engine.worker.precompile), which the server loads at once where the code they traced is this checkout's, and
+inductor's own entries, which make a compile after a change to that code faster where the graphs did not change.
+Anything else that differs only makes both miss and compile as they would have: an archive can go stale, never
+wrong.
 
-    python -m recipe.compile_cache     # builds the embedded pair's (make compile-cache)
+    python -m recipe.compile_cache     # builds the embedded pair's for this machine (make compile-cache)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tarfile
@@ -26,7 +28,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ARCHIVE, MANIFEST = "compile-cache.tar.xz", "compile-cache.json"
+PREFIX = "compile-cache"  # compile-cache-<isa>.tar.xz and .json; a model packed before: compile-cache.tar.xz
 PRECOMPILED = "specd-precompiled"  # engine.worker.precompile's graph files, under the cache (packed with it)
 
 
@@ -50,28 +52,46 @@ def cache_dir() -> Path:
     return Path(inductor_cache_dir())
 
 
+def archive(model_dir: str | os.PathLike[str], built: dict[str, str] | None = None) -> Path:
+    """Where the cache built on ``built`` (this machine by default) lies in ``model_dir``: one per kind of CPU."""
+    isa = (built or machine())["isa"]
+    return Path(model_dir) / f"{PREFIX}-{re.sub(r'[^a-z0-9]+', '-', isa.lower()).strip('-') or 'scalar'}.tar.xz"
+
+
+def manifest(packed: Path) -> Path:
+    """The machine the archive ``packed`` was built on, beside it."""
+    return packed.with_name(packed.name.removesuffix(".tar.xz") + ".json")
+
+
+def shipped(model_dir: str | os.PathLike[str]) -> list[tuple[Path, dict[str, str]]]:
+    """Each compile cache shipped in ``model_dir`` (an archive with its manifest), with the machine it was built on."""
+    archives = sorted(Path(model_dir).glob(f"{PREFIX}*.tar.xz"))
+    return [(packed, json.loads(manifest(packed).read_text())) for packed in archives if manifest(packed).is_file()]
+
+
 def seed(model_dir: str | os.PathLike[str]) -> bool:
-    """Unpacks the compile cache shipped in ``model_dir`` into this process's inductor cache, once per archive,
-    where it was built on a machine like this one. Returns whether it unpacked anything."""
-    archive, manifest = Path(model_dir) / ARCHIVE, Path(model_dir) / MANIFEST
-    if not archive.is_file() or not manifest.is_file():
-        return False
-    built = json.loads(manifest.read_text())
+    """Unpacks the compile cache shipped in ``model_dir`` that was built on a machine like this one into this
+    process's inductor cache, once per archive. Returns whether it unpacked anything."""
     here = machine()
-    differ = [f"{k} {built.get(k)!r} (here {v!r})" for k, v in here.items() if built.get(k) != v]
-    if differ:
-        logger.info("the compile cache shipped in %s was built elsewhere: %s; compiling from scratch",
-                    model_dir, "; ".join(differ))
+    differ = {}
+    for packed, built in shipped(model_dir):
+        differ[packed.name] = [f"{k} {built.get(k)!r} (here {v!r})" for k, v in here.items() if built.get(k) != v]
+        if not differ[packed.name]:
+            break
+    else:
+        if differ:
+            logger.info("the compile caches shipped in %s were built elsewhere: %s; compiling from scratch", model_dir,
+                        "; ".join(f"{name}: {', '.join(d)}" for name, d in differ.items()))
         return False
     target = cache_dir()
-    marker = target / f".specd-seeded-{hashlib.sha256(archive.read_bytes()).hexdigest()[:16]}"
+    marker = target / f".specd-seeded-{hashlib.sha256(packed.read_bytes()).hexdigest()[:16]}"
     if marker.exists():
         return False
     # Unpacked beside the cache, then each file renamed into it: another process compiling meanwhile reads a
     # file whole or not at all.
     with tempfile.TemporaryDirectory(dir=target, prefix=".specd-unpack-") as staging:
         try:
-            with tarfile.open(archive) as tar:
+            with tarfile.open(packed) as tar:
                 tar.extractall(staging, filter="data")  # no links out of it, no absolute paths
         except (tarfile.TarError, OSError) as exc:  # a damaged archive costs a compile, not the server
             logger.warning("the compile cache shipped in %s could not be unpacked (%s); compiling from scratch",
@@ -83,15 +103,16 @@ def seed(model_dir: str | os.PathLike[str]) -> bool:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(path, dest)
     marker.touch()
-    logger.info("unpacked the compile cache shipped in %s into %s", model_dir, target)
+    logger.info("unpacked the compile cache shipped in %s (%s) into %s", model_dir, packed.name, target)
     return True
 
 
 def pack(cache: Path, model_dir: Path) -> Path:
-    """Writes ``cache`` (a directory a compile filled) and this machine's manifest into ``model_dir``."""
-    archive = model_dir / ARCHIVE
-    with tarfile.open(archive, "w:xz") as tar:
+    """Writes ``cache`` (a directory a compile filled) and this machine's manifest into ``model_dir``, beside the
+    caches other kinds of machine built."""
+    packed = archive(model_dir)
+    with tarfile.open(packed, "w:xz") as tar:
         for entry in sorted(cache.iterdir()):
             tar.add(entry, arcname=entry.name)
-    (model_dir / MANIFEST).write_text(json.dumps(machine(), indent=1) + "\n")
-    return archive
+    manifest(packed).write_text(json.dumps(machine(), indent=1) + "\n")
+    return packed

@@ -1,5 +1,5 @@
-"""A compile cache shipped beside a model (engine.worker.compile_cache): unpacked into inductor's cache where the
-machine matches the one it was built on, once; refused, with the difference named, where it does not."""
+"""Compile caches shipped beside a model (engine.worker.compile_cache): the one built on a machine like this one
+unpacked into inductor's cache, once; the others refused, with the difference named."""
 
 from __future__ import annotations
 
@@ -20,14 +20,16 @@ def inductor_cache(tmp_path, monkeypatch) -> Path:
     return cache
 
 
-def shipped(model: Path, **manifest: str) -> Path:
-    """A model directory holding a packed cache of one file, built (says its manifest) on ``manifest``."""
-    built = model / "built"
+def shipped(model: Path, text: str = "a compiled graph", **manifest: str) -> Path:
+    """A model directory holding a packed cache of one file (``text``), built (says its manifest) on ``manifest``
+    (this machine, but for the fields given)."""
+    built = model / f"built-{len(list(model.glob('built-*'))) if model.exists() else 0}"
     (built / "fxgraph" / "ab").mkdir(parents=True)
-    (built / "fxgraph" / "ab" / "entry").write_text("a compiled graph")
-    model.mkdir(exist_ok=True)
-    compile_cache.pack(built, model)
-    (model / compile_cache.MANIFEST).write_text(json.dumps(compile_cache.machine() | manifest))
+    (built / "fxgraph" / "ab" / "entry").write_text(text)
+    packed = compile_cache.archive(model, compile_cache.machine() | manifest)
+    with tarfile.open(packed, "w:xz") as tar:
+        tar.add(built / "fxgraph", arcname="fxgraph")
+    compile_cache.manifest(packed).write_text(json.dumps(compile_cache.machine() | manifest))
     return model
 
 
@@ -47,6 +49,27 @@ def test_a_cache_built_elsewhere_is_not_used_and_the_log_says_what_differs(tmp_p
     assert f"{field} 'something else'" in caplog.text and "compiling from scratch" in caplog.text
 
 
+def test_of_caches_built_on_several_kinds_of_cpu_the_one_for_this_machine_is_unpacked(tmp_path, inductor_cache,
+                                                                                       caplog):
+    caplog.set_level(logging.INFO, "engine.worker.compile_cache")
+    model = shipped(tmp_path / "model", "another CPU's graph", isa="sve256")
+    assert len(compile_cache.shipped(model)) == 1 and not compile_cache.seed(model)
+    assert "compile-cache-sve256.tar.xz: isa 'sve256'" in caplog.text
+    shipped(model, "this CPU's graph")
+    assert len(compile_cache.shipped(model)) == 2 and compile_cache.seed(model)
+    assert (inductor_cache / "fxgraph" / "ab" / "entry").read_text() == "this CPU's graph"
+
+
+def test_packing_for_this_machine_leaves_the_cache_another_kind_of_cpu_built(tmp_path, inductor_cache):
+    model = shipped(tmp_path / "model", "another CPU's graph", isa="sve256")
+    cache = tmp_path / "compiled"
+    (cache / "fxgraph").mkdir(parents=True)
+    (cache / "fxgraph" / "entry").write_text("this CPU's graph")
+    packed = compile_cache.pack(cache, model)
+    assert packed == compile_cache.archive(model)
+    assert {built["isa"] for _, built in compile_cache.shipped(model)} == {"sve256", compile_cache.machine()["isa"]}
+
+
 def test_a_model_without_a_shipped_cache_is_left_alone(tmp_path, inductor_cache):
     assert not compile_cache.seed(tmp_path)
 
@@ -59,19 +82,21 @@ def test_an_archive_that_cannot_be_unpacked_safely_costs_a_compile_not_the_serve
     if damage == "a path outside":
         outside = tmp_path / "evil"
         outside.write_text("x")
-        with tarfile.open(model / compile_cache.ARCHIVE, "w:xz") as tar:
+        with tarfile.open(compile_cache.archive(model), "w:xz") as tar:
             tar.add(outside, arcname="../../escaped")
     else:
-        (model / compile_cache.ARCHIVE).write_bytes(b"truncated")
-    (model / compile_cache.MANIFEST).write_text(json.dumps(compile_cache.machine()))
+        compile_cache.archive(model).write_bytes(b"truncated")
+    compile_cache.manifest(compile_cache.archive(model)).write_text(json.dumps(compile_cache.machine()))
     assert not compile_cache.seed(model)
     assert "could not be unpacked" in caplog.text
     assert not list(tmp_path.rglob("escaped"))
     assert not compile_cache.seed(model) and caplog.text.count("could not be unpacked") == 2, "no marker was left"
 
 
-def test_the_embedded_pairs_cache_names_every_field_a_machine_is_checked_on():
+def test_the_embedded_pairs_caches_name_every_field_a_machine_is_checked_on():
     """A manifest missing a field would match any machine on it."""
-    manifest = Path(__file__).resolve().parents[3] / "models" / "default" / "target" / compile_cache.MANIFEST
-    assert set(json.loads(manifest.read_text())) == set(compile_cache.machine())
-
+    caches = compile_cache.shipped(Path(__file__).resolve().parents[3] / "models" / "default" / "target")
+    assert caches, "the embedded pair ships no compile cache"
+    for packed, built in caches:
+        assert set(built) == set(compile_cache.machine()), packed.name
+        assert packed == compile_cache.archive(packed.parent, built), "named for another CPU than it was built on"
