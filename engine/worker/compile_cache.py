@@ -72,14 +72,12 @@ def shipped(model_dir: str | os.PathLike[str]) -> list[tuple[Path, dict[str, str
 def seed(model_dir: str | os.PathLike[str]) -> bool:
     """Unpacks the compile cache shipped in ``model_dir`` that was built on a machine like this one into this
     process's inductor cache, once per archive. Returns whether it unpacked anything."""
-    here = machine()
-    differ = {}
-    for packed, built in shipped(model_dir):
-        differ[packed.name] = [f"{k} {built.get(k)!r} (here {v!r})" for k, v in here.items() if built.get(k) != v]
-        if not differ[packed.name]:
-            break
-    else:
-        if differ:
+    here, caches = machine(), shipped(model_dir)
+    differ = {packed.name: [f"{k} {built.get(k)!r} (here {v!r})" for k, v in here.items() if built.get(k) != v]
+              for packed, built in caches}
+    packed = next((packed for packed, _ in caches if not differ[packed.name]), None)
+    if packed is None:
+        if caches:
             logger.info("the compile caches shipped in %s were built elsewhere: %s; compiling from scratch", model_dir,
                         "; ".join(f"{name}: {', '.join(d)}" for name, d in differ.items()))
         return False
