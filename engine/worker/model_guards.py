@@ -36,7 +36,6 @@ class Split:
 
     graphs: int = 0
     kept_whole: int = 0  # graphs whose model guards failed at load: every guard stays
-    moved: int = 0  # guards checked once at load rather than every forward (all graphs together)
 
 
 def _with_guards(guards_state: Any, guards: list[Any]) -> Any:
@@ -69,7 +68,6 @@ def checked_at_load(entry: torch.nn.Module) -> Iterator[Split]:
         if not once.check({"self": entry}):
             split.kept_whole += 1
             return build(guards_state, target_code, runtime_global_scope)
-        split.moved += len(model)
         rest = [g for g in guards if not on_the_model(g.name)]
         return build(_with_guards(guards_state, rest), target_code, runtime_global_scope)
 
