@@ -180,6 +180,13 @@ def test_compiled_speculation_is_lossless_and_really_compiled(compiled_llm, pair
         assert runner.compiled.uncompiled == uncompiled, f"{runner.name} met a layout its warm-up did not compile"
 
 
+def _decode_step(llm: LLM, runner: ModelRunner) -> tuple[int, int]:
+    """One decode forward of a layout the warm-up compiled, in the warm-up's own blocks (no sequence's cache):
+    how many forwards then ran compiled, and how many eagerly in a layout with no graph that fit."""
+    runner.forward(ForwardBatch([[7]], [5], [[llm.engine.block_manager.num_blocks]], [1]))
+    return runner.compiled.calls, runner.compiled.uncompiled
+
+
 def test_a_precompiled_forward_checks_each_graphs_guards_once(compiled_llm, monkeypatch):
     """The graph that runs had its guards checked to be picked; torch's call of it checked them all again, every
     forward (batch-1 agentic turns ran 1.11x faster without)."""
@@ -192,18 +199,9 @@ def test_a_precompiled_forward_checks_each_graphs_guards_once(compiled_llm, monk
                 return _check(*args, **kwargs)
 
             monkeypatch.setattr(fn, "guard_check", check)
-    free = compiled_llm.engine.block_manager.num_blocks  # the warm-up's own blocks: no sequence's cache
     calls = runner.compiled.calls
-    runner.forward(ForwardBatch([[7]], [5], [[free]], [1]))  # a decode step the warm-up compiled
-    assert runner.compiled.calls == calls + 1, "ran a precompiled graph"
+    assert _decode_step(compiled_llm, runner)[0] == calls + 1, "ran a precompiled graph"
     assert checked and len(checked) == len(set(checked)), "a graph's guards checked twice in one forward"
-
-
-def _decode_step(llm: LLM, runner: ModelRunner) -> tuple[int, int]:
-    """One decode forward of a layout the warm-up compiled, in the warm-up's own blocks (no sequence's cache):
-    how many forwards then ran compiled, and how many eagerly in a layout with no graph that fit."""
-    runner.forward(ForwardBatch([[7]], [5], [[llm.engine.block_manager.num_blocks]], [1]))
-    return runner.compiled.calls, runner.compiled.uncompiled
 
 
 def test_a_precompiled_forward_checks_no_guard_on_the_model_it_was_loaded_for(compiled_llm, monkeypatch):
