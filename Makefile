@@ -24,7 +24,7 @@ serve: install
 test: install
 	$(PY) -m ruff check engine server recipe tests benchmarks
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -n auto --dist loadfile --durations=15
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15
 
 lint: install
 	$(PY) -m ruff check engine server recipe tests benchmarks

@@ -104,11 +104,39 @@ def artifact(runner: Any, k_max: int) -> Path:
     return cache_dir() / PRECOMPILED / f"{key(runner, k_max)}.bin"
 
 
+def _dense(packed: torch.Tensor) -> torch.Tensor:
+    return packed.to_dense() if packed.is_mkldnn else packed
+
+
+def _rekey(model: torch.nn.Module, name: str) -> str:
+    """Gives the model's packed layers the keys of the graphs in file ``name`` (small_linear.rekey): "" where they
+    had no other owner, "shared" where they belong to the same checkpoint loaded earlier in this process (two
+    engines of one model): each layer then takes that one's packed weight, checked equal, and the graphs run on
+    either. "refused" where a weight differs, changing nothing."""
+    if small_linear.rekey(model, name):
+        return ""
+    layers = [(small_linear.stable_key(name, n), m) for n, m in model.named_modules()
+              if getattr(m, "packed_key", None) is not None]
+    # The registry holds each key's packed weight weakly, for as long as a live layer owns it.
+    owned = [(small_linear._PACKED.get(key), m) for key, m in layers]
+    if any(live is not None and not torch.equal(_dense(live), _dense(m.packed)) for live, m in owned):
+        return "refused"
+    for live, m in owned:
+        if live is not None:
+            m.packed = live
+    return "shared" if small_linear.rekey(model, name) else "refused"
+
+
 def load(runner: Any, path: Path) -> Precompiled | None:
     """The runner's graphs from ``path``, or None where they cannot run here (logged)."""
-    if not small_linear.rekey(runner.model, path.stem):
-        logger.info("precompiled graphs of %s: the model is loaded twice in this process; compiling here", runner.name)
+    rekeyed = _rekey(runner.model, path.stem)
+    if rekeyed == "refused":
+        logger.info("precompiled graphs of %s: another model in this process holds their layers' keys with other "
+                    "weights; compiling here", runner.name)
         return None
+    if rekeyed == "shared":
+        logger.info("precompiled graphs of %s: the model is loaded twice in this process; its packed layers are "
+                    "shared", runner.name)
     try:
         with model_guards.checked_at_load(Entry(runner.model)) as split:
             graphs = Precompiled(runner, path.read_bytes())
