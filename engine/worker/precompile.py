@@ -117,7 +117,8 @@ def _rekey(model: torch.nn.Module, name: str) -> str:
         return ""
     layers = [(small_linear.stable_key(name, n), m) for n, m in model.named_modules()
               if getattr(m, "packed_key", None) is not None]
-    # The registry holds each key's packed weight weakly, for as long as a live layer owns it.
+    # The registry holds each key's packed weight weakly, for as long as a live layer owns it. Read here, not in
+    # small_linear, whose text keys the graph files (a change there would leave the shipped ones stale).
     owned = [(small_linear._PACKED.get(key), m) for key, m in layers]
     if any(live is not None and not torch.equal(_dense(live), _dense(m.packed)) for live, m in owned):
         return "refused"
