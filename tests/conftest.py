@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,23 +34,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
-# Modules whose work is mostly a child process's at the lowest CPU priority: first, so it soaks up the CPU the
-# others leave for the whole run (test_compile's cold compile of a pair: ~850 s of one core on a 2-core AVX2
-# host, which ran last in a 33-minute suite). `make test` keeps this order (--no-loadscope-reorder).
+# Modules whose work is mostly a child process's at the lowest CPU priority: first, so that it takes what the
+# other tests leave all through the run (test_compile's cold compile of a pair: ~850 s of one core on a 2-core
+# AVX2 host). `make test` keeps this order (--no-loadscope-reorder).
 FIRST = ("tests/engine/worker/test_compile.py",)
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """FIRST, then the modules with the most tests (xdist's own order: big work units first)."""
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item.nodeid.split("::")[0]] = counts.get(item.nodeid.split("::")[0], 0) + 1
-
-    def rank(item: pytest.Item) -> tuple[bool, int]:
-        module = item.nodeid.split("::")[0]
-        return module not in FIRST, -counts[module]
-
-    items.sort(key=rank)  # stable: a module's tests keep their order
+    counts = collections.Counter(map(_module, items))
+    items.sort(key=lambda item: (_module(item) not in FIRST, -counts[_module(item)]))  # stable: order kept within
 
 
 @dataclass(frozen=True)

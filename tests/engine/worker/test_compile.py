@@ -310,8 +310,8 @@ def test_the_adaptive_calibration_times_compiled_forwards_once_they_serve(compil
 def test_graphs_of_a_checkpoint_loaded_twice_run_on_its_shared_layers_and_never_on_other_weights(compiled_llm, pair8,
                                                                                                 caplog):
     """A second copy of a checkpoint in one process takes the first one's packed layers, checked equal, and loads
-    its graphs; a model holding other weights under the same keys (no such checkpoint is told apart by its
-    fingerprint, but the check does not rely on that) gets none and is compiled here instead."""
+    its graphs; a model whose weights differ under the same keys (checkpoints whose fingerprints collide) gets
+    none: it is compiled here instead."""
     caplog.set_level(logging.INFO, logger="engine")
     held = compiled_llm.engine.target
     path = precompile.artifact(held, compiled_llm.engine.config.k_max)
@@ -321,12 +321,13 @@ def test_graphs_of_a_checkpoint_loaded_twice_run_on_its_shared_layers_and_never_
         runner.allocate_cache(3 * ModelRunner.warm_up_blocks(K, 16), 16)
         return runner
 
+    def packed(runner: ModelRunner) -> list[torch.nn.Module]:
+        return [m for m in runner.model.modules() if getattr(m, "packed_key", None) is not None]
+
     copy = second()
     graphs = precompile.load(copy, path)
     assert graphs is not None and "its packed layers are shared" in caplog.text
-    shared = [(m.packed, h.packed) for (n, m), (_, h) in zip(copy.model.named_modules(), held.model.named_modules())
-              if getattr(m, "packed_key", None) is not None]
-    assert shared and all(a is b for a, b in shared)
+    assert packed(copy) and all(m.packed is h.packed for m, h in zip(packed(copy), packed(held), strict=True))
     copy.compiled.precompiled, copy.compiled.frozen = graphs, True
     ref = Reference(pair8 / "target", eos=7)
     with torch.no_grad():
@@ -339,13 +340,12 @@ def test_graphs_of_a_checkpoint_loaded_twice_run_on_its_shared_layers_and_never_
 
     caplog.clear()
     other = second()
-    layer = next(m for m in other.model.modules() if getattr(m, "packed_key", None) is not None)
+    layer = packed(other)[0]
     layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach() * 2, 32)
-    before = [(m.packed, m.packed_key) for m in other.model.modules() if getattr(m, "packed_key", None) is not None]
+    before = [(m.packed, m.packed_key) for m in packed(other)]
     assert precompile.load(other, path) is None
     assert "holds their layers' keys with other weights; compiling here" in caplog.text
-    after = [(m.packed, m.packed_key) for m in other.model.modules() if getattr(m, "packed_key", None) is not None]
-    assert all(a[0] is b[0] and a[1] == b[1] for a, b in zip(after, before)), "refused, yet changed"
+    assert all(m.packed is p and m.packed_key == k for m, (p, k) in zip(packed(other), before)), "refused, yet changed"
 
 
 def test_where_the_child_fails_this_process_compiles_the_layouts_itself(pair8, monkeypatch, caplog):
