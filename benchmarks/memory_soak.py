@@ -28,7 +28,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,9 @@ import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from peer_bench.ports import free_port  # noqa: E402
+
 KV_LINE = re.compile(r"KV cache: .*")
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -79,12 +81,6 @@ class Report:
     max_drift_pct: float = 0.0
     final_gauges: dict[str, float] = field(default_factory=dict)
     flat: bool = False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mib(pid: int) -> float:

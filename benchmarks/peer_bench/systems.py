@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from .ports import free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -108,12 +109,6 @@ def llamacpp_systems(target: str, draft: str, threads: int, slots: int,
     binary = str(server_binary())
     return [System("llama.cpp spec", "server", (*common, *spec), binary=binary),
             System("llama.cpp none", "server", common, binary=binary)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Running:

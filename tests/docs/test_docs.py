@@ -20,7 +20,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from benchmarks.peer_bench.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -192,12 +193,6 @@ def test_json_blocks_parse(block):
     json.loads(block.code)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict[str, str]:
     """The suite's environment without the developer's SPECD_* settings; the venv's python and specd first."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}
@@ -209,7 +204,7 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def doc_server(tmp_path_factory) -> Iterator[int]:
     """`make serve`, as the docs describe it, on a free port: the embedded pair, eager."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("doc-server") / "server.log"
     with log.open("w") as out:
         proc = subprocess.Popen(

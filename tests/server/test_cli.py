@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 import server.config
+from benchmarks.peer_bench.ports import free_port
 from server.cli import build_parser, main, parse_config
 from server.config import ConfigError
 
@@ -185,12 +185,6 @@ def test_example_configs_parse(monkeypatch):
 
 
 # ---- the real process ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Process:
