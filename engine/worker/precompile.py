@@ -15,6 +15,7 @@ same checkout anywhere loads here: the embedded pair ships its own in its compil
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import importlib
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch
 import transformers
 
 from engine.layers import small_linear
-from engine.worker import model_guards
+from engine.worker import aot_graphs, model_guards
 from engine.worker.aot_graphs import Entry, Precompiled, compile_runner, stale
 from engine.worker.compile_cache import PRECOMPILED, cache_dir, machine
 from engine.worker.warm_up_layouts import warm_up_blocks
@@ -52,6 +53,9 @@ class Model:
     dtype: str
     trust_remote_code: bool
     file: str  # where its graphs go
+    # A draft model proposes from each sequence's last row: the layouts that return several rows of one sequence
+    # (a verify's) never run on it, and cost a quarter of its compile.
+    draft: bool = False
 
 
 # What a graph is built from besides the code dynamo traced (checked line by line at load, aot_graphs.stale):
@@ -212,13 +216,14 @@ def spawn(models: Sequence[Model], k_max: int, block_size: int) -> subprocess.Po
 
 
 def background(runners: Sequence[Any], k_max: int, dtype: str, trust_remote_code: bool) -> Callable[[], bool]:
-    """A job for a background warm-up (engine.worker.compiled.BackgroundWarmUp): the runners' graphs compiled by
-    a child where their files are missing, then loaded and installed. Returns whether every runner got its
-    graphs; where not, nothing is installed."""
+    """A job for a background warm-up (engine.worker.compiled.BackgroundWarmUp): the runners' graphs (the target's
+    first, then its draft models') compiled by a child where their files are missing, then loaded and installed.
+    Returns whether every runner got its graphs; where not, nothing is installed."""
 
     def run() -> bool:
         files = [artifact(r, k_max) for r in runners]
-        missing = [Model(r.name, dtype, trust_remote_code, str(f)) for r, f in zip(runners, files) if not current(f)]
+        missing = [Model(r.name, dtype, trust_remote_code, str(f), draft=i > 0)
+                   for i, (r, f) in enumerate(zip(runners, files)) if not current(f)]
         if missing:
             t0 = time.perf_counter()
             logger.info("compile background: compiling %s in a child process", " and ".join(m.path for m in missing))
@@ -240,6 +245,19 @@ def background(runners: Sequence[Any], k_max: int, dtype: str, trust_remote_code
     return run
 
 
+@contextlib.contextmanager
+def one_row_layouts() -> Iterator[None]:
+    """compile_runner on the warm-up layouts that return at most one row of logits per sequence. Chosen here, not
+    in aot_graphs or warm_up_layouts, whose text keys the graph files (a change there would leave the shipped ones
+    stale); a draft's file built either way serves the same forwards."""
+    every = aot_graphs.warm_up_layouts
+    aot_graphs.warm_up_layouts = lambda *args: [b for b in every(*args) if max(b.logits_rows) <= 1]
+    try:
+        yield
+    finally:
+        aot_graphs.warm_up_layouts = every
+
+
 def main(spec: dict[str, Any]) -> None:
     from engine.worker.model_runner import ModelRunner
 
@@ -258,7 +276,8 @@ def main(spec: dict[str, Any]) -> None:
         runner = ModelRunner.load(m.path, m.dtype, "cpu", m.trust_remote_code)
         runner.allocate_cache(3 * warm_up_blocks(k_max, block_size), block_size)
         small_linear.install(runner.model, Path(m.file).stem)  # the packed layers' keys: the file's, like a clone's
-        data = compile_runner(runner, k_max)
+        with one_row_layouts() if m.draft else contextlib.nullcontext():
+            data = compile_runner(runner, k_max)
         out = Path(m.file)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")

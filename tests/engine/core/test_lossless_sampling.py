@@ -33,10 +33,10 @@ SETTINGS = {
 }
 
 
-def _peaky_model(out: Path, seed: int) -> None:
+def _peaky_model(out: Path, seed: int, layers: int = 2) -> None:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, eos_token_id=7,
     )
     model = AutoModelForCausalLM.from_config(cfg)

@@ -24,6 +24,7 @@ from engine.worker import precompile
 from engine.worker.compiled import BackgroundWarmUp
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.model_runner import ModelRunner
+from engine.worker.warm_up_layouts import warm_up_layouts
 from tests.engine.core.test_lossless_sampling import chi_square_p, engine_samples, exact_joint
 from tests.engine.lossless import MAX_NEW, Reference, assert_same_as_target
 
@@ -39,7 +40,7 @@ def pair8(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("vocab8c")
     _peaky_model(root / "target", seed=11)
-    _peaky_model(root / "draft", seed=12)
+    _peaky_model(root / "draft", seed=12, layers=1)  # a cold compile's time is per layer and per layout
     return root
 
 
@@ -104,10 +105,15 @@ def test_requests_are_served_eagerly_before_the_background_compile_and_compiled_
         for p, out in zip(PROMPTS[:2], llm.generate(PROMPTS[:2], GREEDY)):
             assert_same_as_target(ref, p, out.token_ids, "during the compile")
         served += 1
-        time.sleep(2.0)  # room for the compile: its child takes only the CPU requests leave
+        time.sleep(10.0)  # room for the compile: its child takes only the CPU requests (and the suite) leave
     assert background.join(timeout=0)
     assert background.seconds is not None and engine.compile_state == "compiled"
     assert all(r.compiled.precompiled is not None for r in runners(llm)), "compiled in a child process, loaded here"
+    # The draft model's file leaves out the layouts that return several rows of one sequence: it never runs them.
+    target, draft = runners(llm)
+    layouts = warm_up_layouts(K, engine.config.block_size, target.cache.num_blocks)
+    assert len(target.compiled.precompiled) == len(layouts)
+    assert len(draft.compiled.precompiled) == sum(max(b.logits_rows) == 1 for b in layouts) < len(layouts)
 
     before = [r.compiled.calls for r in runners(llm)]
     for p, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
