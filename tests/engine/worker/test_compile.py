@@ -81,7 +81,8 @@ def runners(llm: LLM) -> list[ModelRunner]:
     return [llm.engine.target, *(d.runner for d in llm.engine.drafting.drafters)]
 
 
-# A cold compile of the pair while requests are served: 278 s in CI, 560-990 s on a slower 2-core AVX2 machine,
+# A cold compile of the pair while requests are served: 680 s in the suite on a 2-core AVX2 machine (900 s with
+# a two-layer draft compiled over every layout),
 # where the child gets only what the suite's other worker leaves (tests/conftest.py runs this module first)
 @pytest.mark.timeout(1800)
 def test_requests_are_served_eagerly_before_the_background_compile_and_compiled_after_it(held_llm, pair8):
