@@ -1,13 +1,14 @@
 """What a precompiled graph's guard check costs per forward: every guard, or only those not on the model (the
-model's checked once at load, engine.worker.model_guards).
+model's checked once at load), and those same guards with the inputs bound to the entry's signature by torch's
+check (``inspect``) instead of handed over as they come (engine.worker.model_guards).
 
     python benchmarks/guard_checks.py [--conversations 4] [--serve-args "..."] [--json PATH]
 
 The default server's engine, its graph files loaded (shipped, or written by an earlier start), serves batch-1
 agentic turns, greedy, 128 tokens (--serve-args '--speculative-method draft_model --num-speculative-tokens 8':
 the draft model drafts every step; by default the goodput controller leaves it idle on these turns). Each graph
-holds both guard managers, and the one a check uses alternates call by call, so machine noise and the cache state
-a forward leaves behind hit both alike. Reported per model: the median time of a guard check that passed (the
+holds both guard managers, and the arm a check takes turns call by call, so machine noise and the cache state
+a forward leaves behind hit all three alike. Reported per model: the median time of a guard check that passed (the
 graph then ran), and the median forward beside it. Whole turns per second are left to compare.py: on a shared
 2-core machine their rounds swing by more than this saves.
 """
@@ -15,6 +16,7 @@ graph then ran), and the median forward beside it. Whole turns per second are le
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import platform
@@ -38,26 +40,30 @@ from engine.worker.aot_graphs import _as_compiled  # noqa: E402
 from engine.worker.compile_cache import machine  # noqa: E402
 from server.cli import parse_config  # noqa: E402
 
-ARMS = ("every guard", "not the model's")
+ARMS = ("every guard", "not the model's", "bound by inspect")
 MIN_CHECKS = 50  # per arm, for a median worth printing
 
 
 def instrument(runner: Any, times: dict[str, list[float]], turn: itertools.count) -> int:
     """Gives each of ``runner``'s graphs its full guard manager beside the split one it loaded with, and times
-    each check, the manager alternating call by call. Returns the number of graphs."""
+    each check, the arm taking turns call by call. Returns the number of graphs."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
     graphs = [fn for group in runner.compiled.precompiled.graphs.values() for fn in group]
     with _as_compiled(runner.compiled.precompiled.rows, None):  # building guards reads the per-thread flags
         for fn in graphs:
             state = load_guards_state(fn._artifacts.guards_state)
-            managers = (load_guard_manager(state, fn._artifacts.original_code, fn.fn.__globals__),
-                        fn._artifacts.guard_manager)
+            split = fn._artifacts.guard_manager
+            managers = (load_guard_manager(state, fn._artifacts.original_code, fn.fn.__globals__), split, split)
+            direct = fn.guard_check  # engine.worker.model_guards.check_directly's, where the server gave it
+            checks = (direct, direct, functools.partial(AOTCompiledFunction.guard_check, fn))
 
-            def check(*args: Any, _fn: Any = fn, _check: Any = fn.guard_check, _managers: tuple = managers,
+            def check(*args: Any, _fn: Any = fn, _checks: tuple = checks, _managers: tuple = managers,
                       **kwargs: Any) -> bool:
-                arm = next(turn) % 2
+                arm = next(turn) % len(ARMS)
                 _fn._artifacts.guard_manager = _managers[arm]
                 t0 = time.perf_counter()
-                ok = _check(*args, **kwargs)
+                ok = _checks[arm](*args, **kwargs)
                 if ok:
                     times[ARMS[arm]].append(time.perf_counter() - t0)
                 return ok
@@ -101,18 +107,19 @@ def main() -> None:
             prompt = prompt + out.text + conversation.follow_up
 
     rows = []
-    print(f"| model | graphs | checks | {ARMS[0]} (us) | {ARMS[1]} (us) | saved per forward | forward (us) |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| model | graphs | checks | {' (us) | '.join(ARMS)} (us) | split saves | direct saves | forward (us) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, t in times.items():
-        if min(len(t[ARMS[0]]), len(t[ARMS[1]])) < MIN_CHECKS:
-            print(f"| {name} | {graphs[name]} | {len(t[ARMS[0]]) + len(t[ARMS[1]])} | too few to tell | | | |")
+        checks = sum(len(t[arm]) for arm in ARMS)
+        if min(len(t[arm]) for arm in ARMS) < MIN_CHECKS:
+            print(f"| {name} | {graphs[name]} | {checks} | too few to tell | | | | | |")
             continue
-        full, split = (1e6 * statistics.median(t[arm]) for arm in ARMS)
+        full, split, bound = (1e6 * statistics.median(t[arm]) for arm in ARMS)
         forward = 1e6 * statistics.median(t["forward"])
-        rows.append({"model": name, "graphs": graphs[name], "checks": len(t[ARMS[0]]) + len(t[ARMS[1]]),
-                     "full_us": full, "split_us": split, "forward_us": forward})
-        print(f"| {name} | {graphs[name]} | {rows[-1]['checks']} | {full:.0f} | {split:.0f} | "
-              f"{(full - split) / forward:.1%} | {forward:.0f} |")
+        rows.append({"model": name, "graphs": graphs[name], "checks": checks, "full_us": full, "split_us": split,
+                     "inspect_bound_us": bound, "forward_us": forward})
+        print(f"| {name} | {graphs[name]} | {checks} | {full:.0f} | {split:.0f} | {bound:.0f} | "
+              f"{(full - split) / forward:.1%} | {(bound - split) / forward:.1%} | {forward:.0f} |")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": {**machine(), "node": platform.node()},
                                      "serve_args": args.serve_args, "rows": rows},

@@ -158,6 +158,7 @@ def load(runner: Any, path: Path) -> Precompiled | None:
         for fn in candidates:
             if hasattr(fn, "disable_guard_check"):  # a torch without it checks twice, as before
                 fn.disable_guard_check()
+            model_guards.check_directly(fn)
     return graphs
 
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from engine import LLM, CompileMode, EngineConfig, SamplingParams
-from engine.layers import small_linear
+from engine.layers import attention, small_linear
 from engine.speculative import calibrate as calibration
 from engine.speculative.calibrate import profile_blocks
-from engine.worker import precompile
+from engine.worker import aot_graphs, precompile
 from engine.worker.compiled import BackgroundWarmUp
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.model_runner import ModelRunner
@@ -213,6 +213,35 @@ def test_a_precompiled_forward_checks_each_graphs_guards_once(compiled_llm, monk
     calls = runner.compiled.calls
     assert _decode_step(compiled_llm, runner)[0] == calls + 1, "ran a precompiled graph"
     assert checked and len(checked) == len(set(checked)), "a graph's guards checked twice in one forward"
+
+
+def test_a_loaded_graphs_own_guard_check_answers_as_torchs_for_every_forward(compiled_llm, monkeypatch):
+    """Each graph read back checks its guards on the inputs as they come, without torch's binding them to the
+    entry's signature (engine.worker.model_guards.check_directly): on every forward of prompts, decodes, verifies
+    and catch-ups, both models, each candidate graph answers as torch's own check does."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    from engine.layers.tracing import compiled_call
+
+    answers: list[bool] = []
+    serve = precompile.Precompiled.__call__
+
+    def compared(self, **inputs):  # noqa: ANN001, ANN003, ANN202
+        keep = getattr(self.rows, "keep", None)
+        shape = (aot_graphs.structure(inputs[attention.METADATA_KWARG]), keep is not None)
+        with compiled_call():
+            for fn in self.graphs.get(shape, ()):
+                ours = fn.guard_check(self.entry, **inputs)
+                assert ours == AOTCompiledFunction.guard_check(fn, self.entry, **inputs)
+                answers.append(ours)
+        return serve(self, **inputs)
+
+    for runner in runners(compiled_llm):
+        graphs = [fn for group in runner.compiled.precompiled.graphs.values() for fn in group]
+        assert all("guard_check" in vars(fn) for fn in graphs), f"{runner.name}: torch's check left in place"
+    monkeypatch.setattr(precompile.Precompiled, "__call__", compared)
+    compiled_llm.generate(PROMPTS, GREEDY)
+    assert True in answers and False in answers, answers
 
 
 def test_a_precompiled_forward_checks_no_guard_on_the_model_it_was_loaded_for(compiled_llm, monkeypatch):
