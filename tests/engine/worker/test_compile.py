@@ -49,7 +49,7 @@ def pair8(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def held_llm(pair8) -> LLM:
-    """One compiled engine for every test here: a cold inductor compile of a target and a draft costs ~100 s on
+    """One compiled engine for every test here: a cold inductor compile of a target and a draft costs ~9 minutes on
     CI's 2 cores (a fresh checkout misses the compile cache), so every check shares it. Compiled in the
     background (the server's default on CPU), its thread held until the first test starts it by hand."""
     # A first start: no graph files for this pair (an earlier run's would be loaded before serving, at_start).
@@ -84,8 +84,8 @@ def runners(llm: LLM) -> list[ModelRunner]:
     return [llm.engine.target, *(d.runner for d in llm.engine.drafting.drafters)]
 
 
-# A cold compile of the pair while requests are served: 680 s in the suite on a 2-core AVX2 machine (900 s with
-# a two-layer draft compiled over every layout),
+# A cold compile of the pair while requests are served: 555 s in the suite on a 2-core AVX2 machine (680 s with a
+# two-layer target, 900 s with a two-layer draft compiled over every layout too),
 # where the child gets only what the suite's other worker leaves (tests/conftest.py runs this module first)
 @pytest.mark.timeout(1800)
 def test_requests_are_served_eagerly_before_the_background_compile_and_compiled_after_it(held_llm, pair8):
