@@ -1,5 +1,5 @@
-"""Linear layers on CPU under torch.compile: over a few rows one fused multiply-reduce loop, over more a
-oneDNN product with the weight packed in advance.
+"""Linear layers on CPU under torch.compile: over one row a fused multiply-reduce loop, over a few our own
+kernel (specd::small_rows_linear), over more a oneDNN product with the weight packed in advance.
 
 At a few rows a linear layer is a matrix-vector product bound by reading its weight. On the
 project's CPU (AMD EPYC, AVX-512) MKL's sgemm reads the embedded target's 55 MB of weights in about
@@ -8,6 +8,15 @@ project's CPU (AMD EPYC, AVX-512) MKL's sgemm reads the embedded target's 55 MB 
 an outer loop over the weight's rows (split across threads) that reads each row once and keeps it
 in L1 while it takes the few inputs' dot products, vectorised along the row. Eager code keeps
 F.linear: unfused, the product would materialise a weight-sized temporary.
+
+From 2 to SMALL_ROWS rows (a verify of one sequence's drafts, a few sequences decoding) that loop waits on its
+adds' latency: on the 2-core AVX2 host each row past the first cost the embedded target's compiled forward 0.94
+ms, over twice its multiply-adds at the host's matrix-product rate. kernels/small_rows_linear.cpp keeps
+independent accumulators and reuses each load over several rows: 0.51 ms a row, the forward 1.25x faster at 9
+rows and 1.42x at 16 (benchmarks/small_rows_linear.py; the narrow draft's unchanged). It is a C++ operator, so a
+compiled graph calls it without Python. At one row the loop stays: fused with the rest of the forward into one
+parallel region, it reads the weights as fast, and one row is already a graph of its own (dynamo specializes a
+size of 1). Without a C++ compiler the loop takes these rows too.
 
 Past SMALL_ROWS (batched decode and verify steps) the product goes to oneDNN with the weight reordered
 once, at install, into its blocked layout, rather than to MKL, whose sgemm runs well below this CPU's
@@ -20,16 +29,18 @@ from __future__ import annotations
 import itertools
 import weakref
 import zlib
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.tracing import tracing
+from engine.native.build import operators
 
-# At most this many rows take the fused loop: 2.2x faster than MKL at 3 to 10 rows on a target-shaped stack,
-# and faster than packed oneDNN at 1 and 5 rows for both models of the embedded pair; between 10 and 16 oneDNN
-# wins for the target and loses for the draft (benchmarks/compiled_linear.py).
+# At most this many rows take the loop or the kernel. The loop alone was 2.2x faster than MKL at 3 to 10 rows on a
+# target-shaped stack and faster than packed oneDNN at 1 and 5 rows for both models of the embedded pair; between
+# 10 and 16 oneDNN won for the target and lost for the draft (benchmarks/compiled_linear.py).
 SMALL_ROWS = 16
 
 
@@ -46,6 +57,23 @@ def stable_key(name: str, layer: str) -> int:
     return zlib.crc32(f"{name}/{layer}".encode()) & 0x7FFFFFFF
 
 
+SOURCE = Path(__file__).with_name("kernels") / "small_rows_linear.cpp"
+_LOADED: list[bool] = []  # [] before the first build
+
+
+def rows_kernel() -> bool:
+    """Whether specd::small_rows_linear is loaded, building it on the first call (~12 s once per machine)."""
+    if not _LOADED:
+        _LOADED.append(operators(SOURCE, ["-O3", "-march=native", "-fopenmp"], "the few-rows linear kernel"))
+        if _LOADED[0]:
+            torch.library.register_fake("specd::small_rows_linear")(_small_rows_linear_shape)
+    return _LOADED[0]
+
+
+def _small_rows_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 @torch.library.custom_op("specd::packed_linear", mutates_args=(), device_types="cpu")
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
     """``x`` [R, in] through the layer whose packed weight is ``_PACKED[key]`` (``weight`` [out, in], the same
@@ -59,10 +87,11 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int
 
 
 class SmallRowsLinear(nn.Linear):
-    """nn.Linear whose compiled CPU forward over at most SMALL_ROWS rows is a fused multiply-reduce, and over more
-    a packed oneDNN product."""
+    """nn.Linear whose compiled CPU forward over one row is a fused multiply-reduce, over at most SMALL_ROWS rows
+    specd::small_rows_linear, and over more a packed oneDNN product."""
 
     packed_key: int | None = None
+    few_rows_kernel = True  # False: the fused loop up to SMALL_ROWS rows, as before the kernel (a benchmark's arm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -73,6 +102,9 @@ class SmallRowsLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if rows > SMALL_ROWS:
             y = packed_linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias, self.packed_key)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        if rows > 1 and self.few_rows_kernel and rows_kernel():
+            y = torch.ops.specd.small_rows_linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         # Realise the input first: left to itself inductor inlines the producer (an RMSNorm, SiLU(gate) * up) into
         # the reduction's inner loop and recomputes it for every output feature, which made a 5-row forward 3-8x
@@ -99,6 +131,8 @@ def install(model: nn.Module, stable_name: str | None = None) -> int:
                 module.packed_key = next(_KEYS) if stable_name is None else stable_key(stable_name, layer)
                 _PACKED[module.packed_key] = module.packed
             n += 1
+    if n:
+        rows_kernel()  # built before a graph is traced or loaded: a loaded graph calls the operator by name
     return n
 
 

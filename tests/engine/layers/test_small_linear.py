@@ -1,5 +1,6 @@
-"""Linear products on CPU under torch.compile: over a few rows a fused multiply-reduce, over more oneDNN with
-packed weights, instead of MKL calls; the same numbers, and eager code untouched."""
+"""Linear products on CPU under torch.compile: over one row a fused multiply-reduce, over a few our own kernel
+(specd::small_rows_linear), over more oneDNN with packed weights, instead of MKL calls; the same numbers, and
+eager code untouched."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_install_turns_only_float32_cpu_linears_and_keeps_the_eager_forward():
 
 
 @pytest.mark.parametrize("rows", [1, 3, small_linear.SMALL_ROWS, small_linear.SMALL_ROWS + 1])
-def test_compiled_few_rows_are_a_fused_loop_and_more_rows_a_packed_onednn_product(rows):
+def test_compiled_one_row_is_a_fused_loop_a_few_our_kernel_and_more_a_packed_onednn_product(rows):
     torch.manual_seed(0)
     model = Two()
     x = torch.randn(1, rows, 24)
@@ -47,7 +48,41 @@ def test_compiled_few_rows_are_a_fused_loop_and_more_rows_a_packed_onednn_produc
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     gemm_calls = sum(src.count("mm(") for src in code)
     packed_calls = sum(src.count("packed_linear") for src in code)
-    if rows <= small_linear.SMALL_ROWS:
-        assert gemm_calls == 0 and packed_calls == 0, code
+    kernel_calls = sum(src.count("= torch.ops.specd.small_rows_linear.default(") for src in code)
+    if rows == 1:
+        assert gemm_calls == 0 and packed_calls == 0 and kernel_calls == 0, code
+    elif rows <= small_linear.SMALL_ROWS:
+        assert gemm_calls == 0 and packed_calls == 0 and kernel_calls == 2, code
     else:  # both layers through oneDNN's packed weights, none through MKL
         assert gemm_calls == 0 and packed_calls >= 2, code
+
+
+def test_the_few_rows_kernel_is_built_where_there_is_a_compiler():
+    # CI has g++: the fast path must not be lost silently to a build failure
+    assert small_linear.rows_kernel()
+
+
+@pytest.mark.parametrize("rows", range(2, small_linear.SMALL_ROWS + 1))
+@pytest.mark.parametrize(("k", "n"), [(384, 1024), (1024, 384), (37, 10), (5, 3)])
+def test_the_few_rows_kernel_is_the_linear_product_for_every_tile_and_tail(rows, k, n):
+    # rows 2-8 take the row-at-a-time loop, 9-16 tiles of 3 rows x 4 weight rows with row and column tails; an
+    # in-features count off the vector width leaves a scalar tail
+    assert small_linear.rows_kernel()
+    g = torch.Generator().manual_seed(rows * 1000 + k)
+    x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    op = torch.ops.specd.small_rows_linear
+    torch.testing.assert_close(op(x, w, None), x @ w.t(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(op(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    wide = torch.randn(rows, 2 * k, generator=g)[:, ::2]  # not contiguous
+    torch.testing.assert_close(op(wide, w, None), wide @ w.t(), atol=1e-4, rtol=1e-5)
+
+
+def test_the_few_rows_kernel_refuses_mismatched_shapes_and_dtypes():
+    assert small_linear.rows_kernel()
+    op = torch.ops.specd.small_rows_linear
+    with pytest.raises(RuntimeError, match="against a weight of"):
+        op(torch.randn(3, 8), torch.randn(4, 9), None)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(torch.randn(3, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        op(torch.randn(3, 8), torch.randn(4, 8), torch.randn(5))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.native.build import library
+from engine.native.build import library, operators
 
 
 @pytest.fixture
@@ -47,3 +47,13 @@ def test_a_missing_compiler_gives_none(tmp_path: Path, cache: Path, monkeypatch:
     source = tmp_path / "fine.c"
     source.write_text("int one(void) { return 1; }\n")
     assert library(source, ["-O2", "-fPIC"], ["-shared"], "a library") is None
+
+
+def test_operators_that_do_not_compile_give_false_and_a_warning(tmp_path: Path, cache: Path,
+                                                                caplog: pytest.LogCaptureFixture):
+    source = tmp_path / "broken.cpp"
+    source.write_text("this is not C++\n")
+    with caplog.at_level(logging.WARNING, logger="engine.native.build"):
+        assert operators(source, ["-O2"], "broken operators") is False
+    assert "building broken operators failed" in caplog.text
+    assert not list(cache.glob("*")), "nothing half-built is left in the cache"
