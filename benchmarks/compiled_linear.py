@@ -34,6 +34,7 @@ from engine.layers import small_linear
 from engine.layers.tracing import tracing
 from engine.llm import LLM
 from engine.types.sampling_params import SamplingParams
+from engine.worker.forward_batch import ForwardBatch
 from engine.worker.model_runner import ModelRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +62,21 @@ def runner(path: Path, variant: str) -> ModelRunner:
             elif variant == "onednn always":
                 m.__class__ = PackedAlways
     return r
+
+
+def compiled_batches(model: str, runners: dict[str, ModelRunner], layouts: list[tuple[int, int]]
+                     ) -> dict[tuple[int, int], ForwardBatch]:
+    """One batch per (G sequences, Q tokens) layout, each run once by every runner (compiling it the first time),
+    their logits checked equal to the first runner's."""
+    rng = random.Random(1)
+    batches = {(G, Q): scattered_batch(rng, G, Q) for G, Q in layouts}
+    for (G, Q), b in batches.items():
+        t0 = time.perf_counter()
+        outs = [r.forward(b) for r in runners.values()]
+        for out in outs[1:]:
+            torch.testing.assert_close(out, outs[0], atol=1e-4, rtol=1e-4)
+        print(f"{model} {G}x{Q} compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+    return batches
 
 
 def engines(pair: Path, rounds: int) -> None:
@@ -114,14 +130,7 @@ def main() -> None:
     with torch.inference_mode():
         for model in ("target", "draft"):
             runners = {v: runner(args.pair / model, v) for v in variants}
-            rng = random.Random(1)
-            batches = {(G, Q): scattered_batch(rng, G, Q) for G, Q in LAYOUTS}
-            for (G, Q), b in batches.items():
-                t0 = time.perf_counter()
-                outs = {v: r.forward(b) for v, r in runners.items()}  # compiles each layout the first time
-                for v in variants[1:]:
-                    torch.testing.assert_close(outs[v], outs[variants[0]], atol=1e-4, rtol=1e-4)
-                print(f"{model} {G}x{Q} compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+            batches = compiled_batches(model, runners, LAYOUTS)
             for (G, Q), b in batches.items():
                 times: dict[str, list[float]] = {v: [] for v in variants}
                 for _ in range(args.repeats):

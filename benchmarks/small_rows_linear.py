@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from cpu_attention import BLOCKS, BS, scattered_batch  # this script's own directory is on sys.path
+from compiled_linear import compiled_batches  # this script's own directory is on sys.path
+from cpu_attention import BLOCKS, BS
 
 from engine.layers import small_linear
 from engine.worker.model_runner import ModelRunner
@@ -66,13 +66,7 @@ def main() -> None:
     with torch.inference_mode():
         for model in ("target", "draft"):
             runners = {arm: runner(args.pair / model, arm) for arm in ARMS}
-            rng = random.Random(1)
-            batches = {(G, Q): scattered_batch(rng, G, Q) for G, Q in LAYOUTS}
-            for (G, Q), b in batches.items():
-                t0 = time.perf_counter()
-                outs = {arm: r.forward(b) for arm, r in runners.items()}  # compiles each layout the first time
-                torch.testing.assert_close(outs["kernel"], outs["fused loop"], atol=1e-4, rtol=1e-4)
-                print(f"{model} {G}x{Q} compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+            batches = compiled_batches(model, runners, LAYOUTS)
             times: dict[tuple, list[float]] = {(k, arm): [] for k in batches for arm in ARMS}
             for rnd in range(args.rounds):
                 for k, b in batches.items():
