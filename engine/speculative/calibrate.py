@@ -108,7 +108,10 @@ def calibrate(controller: GoodputController, target: ModelRunner, drafters: dict
             continue
         sizes = (1, verify)
         table = list(range(first_block, first_block + -(-(short + verify) // block_size)))
-        timed = _timed(runner, [ForwardBatch([[0] * n], [short], [table[: -(-(short + n) // block_size)]], [n])
+        # One logits row, as the drafter's own forwards give (a catch-up of n tokens, then one-token decodes): a
+        # draft model's graph files leave out the layouts that return several rows of one sequence, which ran
+        # eagerly here and priced its tokens at 8x what the compiled forwards cost.
+        timed = _timed(runner, [ForwardBatch([[0] * n], [short], [table[: -(-(short + n) // block_size)]], [1])
                                 for n in sizes])
         fit = controller.cost.drafters[name] = LinearCost()  # the forward in use now, not the one before
         for n, t in zip(sizes, timed):

@@ -131,13 +131,15 @@ def test_requests_are_served_eagerly_before_the_background_compile_and_compiled_
 def test_a_later_start_finds_the_graphs_on_disk_and_serves_compiled_from_its_first_request(compiled_llm, pair8,
                                                                                            tmp_path):
     """The files the background compile wrote: a server started afterwards (its own process, like a restart)
-    loads them before it answers, and /health says compiled at once; its outputs stay the target's."""
+    loads them before it answers, and /health says compiled at once; its outputs stay the target's. Adaptive k
+    (the same k_max, so the same files): the goodput controller's start-up profile runs the models too, and every
+    forward it times fits a graph (the draft's, timed on verify-shaped layouts, had run eagerly)."""
     from openai import OpenAI
 
     from tests.server.test_cli import Process
 
     args = ["--model", str(pair8 / "target"), "--draft-model", str(pair8 / "draft"), "--speculative-method",
-            "draft_model", "--num-speculative-tokens", str(K), "--dtype", "float32", "--device", "cpu",
+            "draft_model", "--max-speculative-tokens", str(K), "--dtype", "float32", "--device", "cpu",
             "--compile", "background"]
     server = Process(tmp_path, args, OMP_NUM_THREADS=str(torch.get_num_threads()))  # the files' thread count
     try:
