@@ -81,6 +81,9 @@ class ServerConfig:
         engine=True,
     )
     suffix_max_draft: int = option(24, "suffix decoding: the longest draft", metavar="K", engine=True)
+    draft_confidence: float = option(
+        0.0, "a model drafter (draft model, EAGLE head, early exit) stops a sequence's drafts after one it gave less "
+        "than this probability, in [0, 1); 0: never early", metavar="P", engine=True)
     served_model_name: str | None = option(
         None, "the model id clients send",
         shown_default="`specd-default` for the embedded pair, else the model directory's name",

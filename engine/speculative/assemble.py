@@ -27,11 +27,11 @@ def make_drafting(config: EngineConfig, target: ModelRunner, draft: ModelRunner 
     method = config.speculative_method
     drafters: list[tuple[DraftSource, ModelRunner | EagleRunner | None]] = []
     if isinstance(draft, EagleRunner):
-        drafters.append((EagleSource(draft, target, eos_ids), draft))
+        drafters.append((EagleSource(draft, target, eos_ids, config.draft_confidence), draft))
     elif draft is not None:
-        drafters.append((DraftModelSource(draft, target.vocab_size, eos_ids), draft))
+        drafters.append((DraftModelSource(draft, target.vocab_size, eos_ids, config.draft_confidence), draft))
     if early_exit is not None:
-        drafters.append((SelfDraftSource(early_exit, target.vocab_size, eos_ids), early_exit))
+        drafters.append((SelfDraftSource(early_exit, target.vocab_size, eos_ids, config.draft_confidence), early_exit))
     lookups: list[DraftSource] = []
     # At a fixed k the hybrid has no rates to compare: a lookup takes the step on a suffix match of two or
     # more tokens (a lone token recurs nearly everywhere, and its guesses rarely hold).

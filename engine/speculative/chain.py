@@ -32,9 +32,13 @@ def chain_batch(seqs: list[Sequence], starts: list[int], drafted: torch.Tensor, 
 
 
 def draft_chain(requests: list[DraftRequest], forward: PositionForward, vocab: int, eos_ids: tuple[int, ...],
-                device: torch.device) -> Proposal:
+                device: torch.device, confidence: float = 0.0) -> Proposal:
     """Up to ``max_drafts`` tokens per request, one ``forward`` per position over the rows still drafting;
-    with every ``max_drafts`` 0, the one forward of position 0 (a catch-up alone)."""
+    with every ``max_drafts`` 0, the one forward of position 0 (a catch-up alone). A row whose draft had less
+    than ``confidence`` of the drafter's probability keeps it and drafts no further: the drafts after an unsure
+    one are seldom accepted, and each costs a forward here and a row of the target's verify (on the embedded
+    pair's host, about 1 ms and 0.45 ms against a 3.5 ms plain step). The rule reads the drafter alone, never
+    the target, so verification stays exact and sampled outputs keep the target's distribution."""
     n = len(requests)
     K = max(r.max_drafts for r in requests)
     # The drafts stay on the device until the end: the next position's input is this one's output,
@@ -58,6 +62,8 @@ def draft_chain(requests: list[DraftRequest], forward: PositionForward, vocab: i
             so_far = drafted[drafting, :j].tolist() if penalised else [[0] * j] * len(drafting)
             picked, q = _pick(logits, [requests[i] for i in drafting], so_far, vocab, eos_ids)
             _record(requests, drafting, j, picked, q, drafted, probs, walked, lengths)
+            if confidence > 0.0:
+                _stop_unsure(logits, picked, drafting, j, confidence, lengths)
         active = [i for i in drafting if lengths[i] > j + 1]
         if not active:
             break
@@ -89,6 +95,17 @@ def _pick(logits: torch.Tensor, reqs: list[DraftRequest], drafted: list[list[int
     noise = rng.exponentials(keys, positions, purposes, vocab)  # [a, V]
     greedy = torch.tensor([r.seq.params.greedy for r in reqs], device=dev)
     return torch.where(greedy, picked, sample_from(q, noise)), q
+
+
+def _stop_unsure(logits: torch.Tensor, picked: torch.Tensor, drafting: list[int], j: int, confidence: float,
+                 lengths: list[int]) -> None:
+    """Rows whose position-j draft had under ``confidence`` of the drafter's (unprocessed) probability end at it.
+    logits [a, V], picked [a]: rows of ``drafting``. One small read-back per position, the price of skipping the
+    forwards after it."""
+    sure = torch.softmax(logits.float(), dim=-1).gather(1, picked[:, None])[:, 0]  # [a]
+    for i, p in zip(drafting, sure.tolist()):
+        if p < confidence:
+            lengths[i] = min(lengths[i], j + 1)
 
 
 def _record(requests: list[DraftRequest], drafting: list[int], j: int, picked: torch.Tensor, q: torch.Tensor | None,

@@ -23,10 +23,12 @@ class DraftModelSource:
 
     name = "draft_model"
 
-    def __init__(self, runner: ModelRunner, target_vocab: int, eos_ids: tuple[int, ...]) -> None:
+    def __init__(self, runner: ModelRunner, target_vocab: int, eos_ids: tuple[int, ...],
+                 confidence: float = 0.0) -> None:
         self.runner = runner
         self.vocab = target_vocab
         self.eos_ids = eos_ids
+        self.confidence = confidence  # engine.speculative.chain.draft_chain's: stop a row after an unsure draft
         self._forward_times: list[tuple[int, float]] = []
 
     def lag(self, seq: Sequence) -> int:
@@ -63,7 +65,8 @@ class DraftModelSource:
         return logits
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
-        return draft_chain(requests, partial(self._position, requests), self.vocab, self.eos_ids, self.runner.device)
+        return draft_chain(requests, partial(self._position, requests), self.vocab, self.eos_ids, self.runner.device,
+                           self.confidence)
 
     def _position(self, requests: list[DraftRequest], j: int, active: list[int], drafted: torch.Tensor) -> torch.Tensor:
         """Draft position j's forward over rows ``active`` (a chain.PositionForward)."""

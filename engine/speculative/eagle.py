@@ -102,8 +102,9 @@ class EagleRunner:
 class EagleSource(DraftModelSource):
     name = "eagle"
 
-    def __init__(self, runner: EagleRunner, target: ModelRunner, eos_ids: tuple[int, ...]) -> None:
-        super().__init__(runner, target.vocab_size, eos_ids)  # type: ignore[arg-type]  # same forward and timing
+    def __init__(self, runner: EagleRunner, target: ModelRunner, eos_ids: tuple[int, ...],
+                 confidence: float = 0.0) -> None:
+        super().__init__(runner, target.vocab_size, eos_ids, confidence)  # type: ignore[arg-type]  # same timing
         self.eagle = runner
         self.target = target
 
@@ -150,7 +151,7 @@ class EagleSource(DraftModelSource):
             rows[:] = [i for i in active if requests[i].max_drafts]
             return logits
 
-        return draft_chain(requests, position, self.vocab, self.eos_ids, self.eagle.device)
+        return draft_chain(requests, position, self.vocab, self.eos_ids, self.eagle.device, self.confidence)
 
     @staticmethod
     def _catch_up(requests: list[DraftRequest], active: list[int]) -> tuple[ForwardBatch, torch.Tensor]:

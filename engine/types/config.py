@@ -58,6 +58,8 @@ class EngineConfig:
     # another share nodes.
     suffix_cache_requests: int = 1000
     suffix_max_draft: int = 24  # the longest suffix draft (also at most k and the match length)
+    # A model drafter stops a sequence's drafts after one it gave less than this probability (0: never early).
+    draft_confidence: float = 0.0
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N: the draft, and the target unless device_map is given
     # The target split across devices by accelerate: a strategy name, or a JSON object / dict of module -> device.
@@ -128,6 +130,8 @@ class EngineConfig:
             raise ValueError(f"suffix_cache_requests must be >= 0, got {self.suffix_cache_requests}")
         if self.suffix_max_draft < 1:
             raise ValueError(f"suffix_max_draft must be >= 1, got {self.suffix_max_draft}")
+        if not 0.0 <= self.draft_confidence < 1.0:
+            raise ValueError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
         if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:

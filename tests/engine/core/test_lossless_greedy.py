@@ -3,9 +3,13 @@ architecture, drafter, batch size and draft length."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.speculative import chain
 from tests.device import GREEDY_ENGINE
 from tests.engine.lossless import (
     MAX_NEW,
@@ -106,6 +110,42 @@ def test_greedy_across_the_plain_fast_path_and_back_equals_target_alone(method, 
     run_batches(llm, references["llama"], prompts_for(tokenizer_dir), f"llama/{method}/flipping")
     assert modes.get("plain", 0) + modes.get("probe", 0) > 0 and modes.get("speculate", 0) > 0, modes
     assert llm.stats().num_draft_tokens > 0, "speculation never ran, so this test proved nothing"
+
+
+def cut_at_the_median(llm: LLM, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sets the engine's model drafter to cut its rows at the median of the probabilities it gave its own drafts
+    over ``prompts``: about half of a step's rows end after an unsure draft, beside rows that draft on."""
+    seen: list[float] = []
+    stop = chain._stop_unsure
+
+    def recording(logits, picked, *args):  # noqa: ANN001, ANN202
+        seen.extend(torch.softmax(logits.float(), dim=-1).gather(1, picked[:, None])[:, 0].tolist())
+        return stop(logits, picked, *args)
+
+    monkeypatch.setattr(chain, "_stop_unsure", recording)
+    llm.generate(prompts, GREEDY)
+    (drafter,) = llm.engine.drafting.drafters
+    drafter.confidence = statistics.median(seen)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "self", "eagle"])
+def test_greedy_with_rows_cut_after_an_unsure_draft_equals_target_alone(method, model_sets, eagle_heads, references,
+                                                                        tokenizer_dir, monkeypatch):
+    """--draft-confidence: a row stops drafting after a draft its drafter was unsure of, in steps where others
+    draft all four."""
+    ms = model_sets["llama"]
+    sources = METHODS[method]
+    draft = eagle_heads["llama"] if sources.get("eagle") else ms.draft if sources.get("draft") else None
+    llm = LLM(model=str(ms.target), draft_model=str(draft) if draft else None, draft_layers=sources.get("draft_layers"),
+              speculative_method=method, num_speculative_tokens=4, draft_confidence=1e-9, **GREEDY_ENGINE,
+              block_size=WARM_BLOCK)
+    prompts = prompts_for(tokenizer_dir)
+    cut_at_the_median(llm, prompts[4:6], monkeypatch)
+    stats = llm.stats()  # the engine's running totals
+    before = stats.num_drafts, stats.num_draft_tokens
+    run_batches(llm, references["llama"], prompts, f"llama/{method}/cut")
+    per_step = (stats.num_draft_tokens - before[1]) / (stats.num_drafts - before[0])
+    assert 1.0 < per_step < 3.5, f"{per_step:.2f} drafts a sequence-step: the cut never or always happened"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

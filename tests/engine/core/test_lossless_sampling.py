@@ -16,6 +16,7 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import LLM, SamplingParams
+from engine.speculative import chain
 from engine.speculative.source import Proposal
 
 # On a GPU (SPECD_TEST_DEVICE) these stay float32: the chi-square compares with the float32 law, which bfloat16's
@@ -218,6 +219,35 @@ def test_sampled_tokens_across_the_plain_fast_path_follow_the_target_distributio
     assert stats.num_draft_tokens > 1000 and 0.02 < stats.acceptance_rate < 0.95, "both paths, many times"
     p = chi_square_p(counts, exact_joint(target, temperature=1.0))
     assert p > 1e-3, f"{method}/flipping: chi-square p-value {p:.2e}: samples are not distributed as the target"
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_sampled_tokens_with_rows_cut_after_an_unsure_draft_follow_the_target_distribution(method, pair, monkeypatch):
+    """--draft-confidence at the median of the probabilities the drafter gave its own drafts: rows that stop
+    after an unsure draft beside rows that draft all three, and the samples keep the target's law."""
+    target, draft = pair
+    llm = LLM(model=str(target), draft_model=str(draft.parent / "eagle" if method == "eagle" else draft),
+              speculative_method=method, num_speculative_tokens=3, draft_confidence=1e-9, dtype="float32",
+              **SAMPLED_ENGINE, max_num_seqs=512, max_num_batched_tokens=4096, seed=2468)
+    seen: list[float] = []
+    stop = chain._stop_unsure
+
+    def recording(logits, picked, *args):  # noqa: ANN001, ANN202
+        seen.extend(torch.softmax(logits.float(), dim=-1).gather(1, picked[:, None])[:, 0].tolist())
+        return stop(logits, picked, *args)
+
+    monkeypatch.setattr(chain, "_stop_unsure", recording)
+    stats = llm.stats()  # the engine's running totals
+    llm.generate([PROMPT] * 500, SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0))
+    uncut = stats.num_draft_tokens / stats.num_drafts  # nothing is under a confidence of 1e-9
+    (drafter,) = llm.engine.drafting.drafters
+    drafter.confidence = float(np.median(seen))
+    before = stats.num_drafts, stats.num_draft_tokens
+    counts = engine_samples(llm, False, temperature=1.0)
+    per_step = (stats.num_draft_tokens - before[1]) / (stats.num_drafts - before[0])
+    assert 1.0 < per_step < uncut - 0.1, f"{per_step:.2f} drafts a sequence-step against {uncut:.2f} uncut"
+    p = chi_square_p(counts, exact_joint(target, temperature=1.0))
+    assert p > 1e-3, f"{method}/cut: chi-square p-value {p:.2e}: samples are not distributed as the target"
 
 
 def test_chi_square_detects_the_drafts_own_distribution(pair):

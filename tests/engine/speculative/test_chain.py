@@ -49,3 +49,32 @@ def test_no_drafts_asked_is_one_forward_a_catch_up_alone():
     proposal = draft_chain(requests, forward, V, (), torch.device("cpu"))
     assert forward.calls == [(0, [0, 1])]
     assert proposal.tokens == [[], []]
+
+
+class Unsure(Recorder):
+    """The Recorder's drafts, sure (probability near 1) except at (row, position) pairs in ``unsure`` (0.19)."""
+
+    def __init__(self, requests: list[DraftRequest], unsure: set[tuple[int, int]]) -> None:
+        super().__init__(requests)
+        self.unsure = unsure
+
+    def __call__(self, j: int, active: list[int], drafted: torch.Tensor) -> torch.Tensor:
+        hot = super().__call__(j, active, drafted)  # [d, V]
+        rows = [i for i in active if self.requests[i].max_drafts]
+        sharp = torch.tensor([0.5 if (i, j) in self.unsure else 10.0 for i in rows])  # [d]
+        return hot * sharp[:, None]
+
+
+def test_a_row_keeps_an_unsure_draft_and_drafts_no_further():
+    requests = [request(0, 4), request(1, 4), request(2, 4)]
+    forward = Unsure(requests, {(0, 0), (2, 1)})
+    proposal = draft_chain(requests, forward, V, (), torch.device("cpu"), confidence=0.3)
+    assert proposal.tokens == [[0], [1, 3, 5, 7], [2, 5]], "the same drafts, each row cut after its unsure one"
+    assert forward.calls == [(0, [0, 1, 2]), (1, [1, 2]), (2, [1]), (3, [1])], "no forward for a row cut"
+
+
+def test_without_a_confidence_every_row_drafts_all_it_was_asked():
+    requests = [request(0, 4), request(1, 4)]
+    forward = Unsure(requests, {(0, 0), (1, 1)})
+    proposal = draft_chain(requests, forward, V, (), torch.device("cpu"))
+    assert [len(t) for t in proposal.tokens] == [4, 4]
