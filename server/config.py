@@ -78,19 +78,16 @@ class ServerConfig:
         "another K compiles its own)", metavar="K", engine=True)
     suffix_cache_requests: int = option(
         1000, "suffix decoding: keep the outputs of this many recently ended requests to draft from", metavar="N",
-        engine=True,
-    )
+        engine=True)
     suffix_max_draft: int = option(24, "suffix decoding: the longest draft", metavar="K", engine=True)
     draft_confidence: float = option(
         0.0, "a model drafter (draft model, EAGLE head, early exit) stops a sequence's drafts after one it gave less "
         "than this probability, in [0, 1); 0: never early", metavar="P", engine=True)
     served_model_name: str | None = option(
         None, "the model id clients send",
-        shown_default="`specd-default` for the embedded pair, else the model directory's name",
-    )
+        shown_default="`specd-default` for the embedded pair, else the model directory's name")
     chat_template: str | None = option(
-        None, "a Jinja file used instead of the tokenizer's chat template", metavar="FILE"
-    )
+        None, "a Jinja file used instead of the tokenizer's chat template", metavar="FILE")
     dtype: str = option(
         "auto", "`auto` (bfloat16 on a GPU, float32 on CPU), `float32`, `bfloat16` or `float16`",
         choices=("auto", "float32", "bfloat16", "float16"), engine=True,

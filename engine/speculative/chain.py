@@ -35,9 +35,10 @@ def draft_chain(requests: list[DraftRequest], forward: PositionForward, vocab: i
                 device: torch.device, confidence: float = 0.0) -> Proposal:
     """Up to ``max_drafts`` tokens per request, one ``forward`` per position over the rows still drafting;
     with every ``max_drafts`` 0, the one forward of position 0 (a catch-up alone). A row whose draft had less
-    than ``confidence`` of the drafter's probability keeps it and drafts no further: the drafts after an unsure
-    one are seldom accepted, and each costs a forward here and a row of the target's verify (on the embedded
-    pair's host, about 1 ms and 0.45 ms against a 3.5 ms plain step). The rule reads the drafter alone, never
+    than ``confidence`` of the drafter's probability keeps it and drafts no further: from a calibrated drafter the
+    drafts after an unsure one are the likeliest to fail, and each costs a forward here and a row of the target's
+    verify (on the embedded pair's host, about 1 ms and 0.45 ms against a 3.5 ms plain step; its 1.5M draft is
+    under-confident, and the cut did not pay there: docs/performance.md). The rule reads the drafter alone, never
     the target, so verification stays exact and sampled outputs keep the target's distribution."""
     n = len(requests)
     K = max(r.max_drafts for r in requests)

@@ -3,10 +3,12 @@ position over the rows still drafting, each position fed the drafts of the one b
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.speculative.chain import draft_chain
 from engine.speculative.source import DraftRequest
+from engine.types.config import EngineConfig
 from engine.types.sampling_params import SamplingParams
 from engine.types.sequence import Sequence
 
@@ -78,3 +80,9 @@ def test_without_a_confidence_every_row_drafts_all_it_was_asked():
     forward = Unsure(requests, {(0, 0), (1, 1)})
     proposal = draft_chain(requests, forward, V, (), torch.device("cpu"))
     assert [len(t) for t in proposal.tokens] == [4, 4]
+
+
+@pytest.mark.parametrize("confidence", [-0.1, 1.0, 2.0])
+def test_a_confidence_outside_zero_to_one_is_refused_naming_the_option(confidence):
+    with pytest.raises(ValueError, match="draft_confidence"):
+        EngineConfig(model="m", draft_confidence=confidence)
