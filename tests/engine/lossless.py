@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from engine.speculative import chain
 from engine.speculative.step_cost import StepCostModel
 from tests.device import NEAR_TIE
 from tests.tiny_models import EOS
@@ -182,3 +185,20 @@ def flip_plain_and_speculative(engine) -> dict[str, int]:  # noqa: ANN001
 
     drafting.plan = flipped
     return modes
+
+
+def cut_at_the_median(llm, warm_up: Callable[[], object], monkeypatch) -> None:  # noqa: ANN001
+    """Sets the engine's one model drafter to stop a row after a draft it gave less than the median of the
+    probabilities it gave its own drafts over ``warm_up()`` (run with a confidence nothing is under): about half of
+    a step's rows then end at an unsure draft, beside rows that draft on (``--draft-confidence``)."""
+    seen: list[float] = []
+    stop = chain._stop_unsure
+
+    def recording(logits, picked, *args):  # noqa: ANN001, ANN202
+        seen.extend(torch.softmax(logits.float(), dim=-1).gather(1, picked[:, None])[:, 0].tolist())
+        return stop(logits, picked, *args)
+
+    monkeypatch.setattr(chain, "_stop_unsure", recording)
+    warm_up()
+    (drafter,) = llm.engine.drafting.drafters
+    drafter.confidence = statistics.median(seen)

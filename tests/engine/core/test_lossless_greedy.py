@@ -3,19 +3,16 @@ architecture, drafter, batch size and draft length."""
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
-from engine.speculative import chain
 from tests.device import GREEDY_ENGINE
 from tests.engine.lossless import (
     MAX_NEW,
     Reference,
     alternate_drafters,
     assert_same_as_target,
+    cut_at_the_median,
     flip_plain_and_speculative,
     prompts_for,
 )
@@ -112,22 +109,6 @@ def test_greedy_across_the_plain_fast_path_and_back_equals_target_alone(method, 
     assert llm.stats().num_draft_tokens > 0, "speculation never ran, so this test proved nothing"
 
 
-def cut_at_the_median(llm: LLM, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sets the engine's model drafter to cut its rows at the median of the probabilities it gave its own drafts
-    over ``prompts``: about half of a step's rows end after an unsure draft, beside rows that draft on."""
-    seen: list[float] = []
-    stop = chain._stop_unsure
-
-    def recording(logits, picked, *args):  # noqa: ANN001, ANN202
-        seen.extend(torch.softmax(logits.float(), dim=-1).gather(1, picked[:, None])[:, 0].tolist())
-        return stop(logits, picked, *args)
-
-    monkeypatch.setattr(chain, "_stop_unsure", recording)
-    llm.generate(prompts, GREEDY)
-    (drafter,) = llm.engine.drafting.drafters
-    drafter.confidence = statistics.median(seen)
-
-
 @pytest.mark.parametrize("method", ["draft_model", "self", "eagle"])
 def test_greedy_with_rows_cut_after_an_unsure_draft_equals_target_alone(method, model_sets, eagle_heads, references,
                                                                         tokenizer_dir, monkeypatch):
@@ -140,7 +121,7 @@ def test_greedy_with_rows_cut_after_an_unsure_draft_equals_target_alone(method, 
               speculative_method=method, num_speculative_tokens=4, draft_confidence=1e-9, **GREEDY_ENGINE,
               block_size=WARM_BLOCK)
     prompts = prompts_for(tokenizer_dir)
-    cut_at_the_median(llm, prompts[4:6], monkeypatch)
+    cut_at_the_median(llm, lambda: llm.generate(prompts[4:6], GREEDY), monkeypatch)
     stats = llm.stats()  # the engine's running totals
     before = stats.num_drafts, stats.num_draft_tokens
     run_batches(llm, references["llama"], prompts, f"llama/{method}/cut")

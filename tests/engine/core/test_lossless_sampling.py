@@ -16,13 +16,17 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import LLM, SamplingParams
-from engine.speculative import chain
 from engine.speculative.source import Proposal
 
 # On a GPU (SPECD_TEST_DEVICE) these stay float32: the chi-square compares with the float32 law, which bfloat16's
 # rounded probabilities would fail at this many samples whatever the acceptance rule did.
 from tests.device import SAMPLED_ENGINE
-from tests.engine.lossless import alternate_drafters, flip_plain_and_speculative, reference_transform
+from tests.engine.lossless import (
+    alternate_drafters,
+    cut_at_the_median,
+    flip_plain_and_speculative,
+    reference_transform,
+)
 
 V = 8
 PROMPT = [1, 2, 3, 1, 2]
@@ -229,19 +233,10 @@ def test_sampled_tokens_with_rows_cut_after_an_unsure_draft_follow_the_target_di
     llm = LLM(model=str(target), draft_model=str(draft.parent / "eagle" if method == "eagle" else draft),
               speculative_method=method, num_speculative_tokens=3, draft_confidence=1e-9, dtype="float32",
               **SAMPLED_ENGINE, max_num_seqs=512, max_num_batched_tokens=4096, seed=2468)
-    seen: list[float] = []
-    stop = chain._stop_unsure
-
-    def recording(logits, picked, *args):  # noqa: ANN001, ANN202
-        seen.extend(torch.softmax(logits.float(), dim=-1).gather(1, picked[:, None])[:, 0].tolist())
-        return stop(logits, picked, *args)
-
-    monkeypatch.setattr(chain, "_stop_unsure", recording)
     stats = llm.stats()  # the engine's running totals
-    llm.generate([PROMPT] * 500, SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0))
-    uncut = stats.num_draft_tokens / stats.num_drafts  # nothing is under a confidence of 1e-9
-    (drafter,) = llm.engine.drafting.drafters
-    drafter.confidence = float(np.median(seen))
+    cut_at_the_median(llm, lambda: llm.generate([PROMPT] * 500, SamplingParams(max_tokens=4, ignore_eos=True,
+                                                                                temperature=1.0)), monkeypatch)
+    uncut = stats.num_draft_tokens / stats.num_drafts  # the warm-up's, with a confidence nothing is under
     before = stats.num_drafts, stats.num_draft_tokens
     counts = engine_samples(llm, False, temperature=1.0)
     per_step = (stats.num_draft_tokens - before[1]) / (stats.num_drafts - before[0])
