@@ -25,7 +25,7 @@ class ShortGroup:
     real: torch.Tensor | None  # [N] long: the real queries' flat indices in [G * Q] (no boolean-mask indexing)
     real_rows: torch.Tensor | None  # [N] long: their rows in the packed batch
     positions: torch.Tensor  # [G, Q] long, 0 for padding queries
-    slots: torch.Tensor | None  # [G, C] long: cache slot of key position c (None: read ``span``)
+    slots: torch.Tensor | None  # [G, C] long: cache slot of key position c (None: read ``span``, never on the CPU)
     mask: torch.Tensor | None  # [G, 1, Q, C] bool: causal, padding rows see key 0 only (no NaN rows)
     span: tuple[int, int] | None  # one sequence whose slots are one contiguous range: read a view
 

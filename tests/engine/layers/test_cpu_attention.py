@@ -1,6 +1,7 @@
-"""The CPU attention kernel (engine/layers/kernels/paged_attention.c): each query row attends exactly to its own
-sequence's keys up to its position, read through the slot table; a row's result does not depend on the batch
-around it; compiled callers keep it in their graph; the model runner sends short queries through it."""
+"""The CPU attention kernel (engine/layers/kernels/paged_attention.cpp): each query row attends exactly to its own
+sequence's keys up to its position, read through the slot table, over one chunk of keys or several; a row's result
+does not depend on the batch around it or on the thread count; compiled callers keep it in their graph; the model
+runner sends short queries through it, a lone sequence's contiguous span included."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from engine.layers import cpu_attention
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.model_runner import ModelRunner
 
-SLOTS = 512
+SLOTS = 2048
+CHUNK = 32  # the kernel's keys per task (CHUNK in paged_attention.cpp)
 
 
-def _case(rng: random.Random, G: int, Q: int, H: int, Hkv: int, D: int) -> dict:
+def _case(rng: random.Random, G: int, Q: int, H: int, Hkv: int, D: int, longest: int = 50) -> dict:
     """G sequences with contexts of their own (some shorter than C, so past-the-end slots are padding) and up to
     Q queries each at the context's last positions; missing queries are padding rows at position 0."""
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    ends = [rng.randint(Q, 50) for _ in range(G)]
+    ends = [rng.randint(Q, longest) for _ in range(G)]
     C = max(ends)
     free = rng.sample(range(SLOTS), G * C)  # scattered, distinct slots
     slots = torch.tensor(free).view(G, C)
@@ -66,9 +68,33 @@ def test_each_row_attends_to_its_own_sequences_keys_up_to_its_position(H, Hkv, D
         torch.testing.assert_close(got.double(), _reference(**case), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("G", "Q"), [(1, 1), (1, 5), (2, 3), (9, 2)])
+def test_contexts_of_several_chunks_merge_to_the_whole_softmax(G, Q):
+    """Contexts up to 7 chunks long, queries straddling a chunk's edge, one task per KV head (few chunks in all)
+    or per chunk (many)."""
+    rng = random.Random(G * 10 + Q)
+    case = _case(rng, G, Q, 6, 3, 64, longest=7 * CHUNK)
+    case["positions"][0, :Q] = torch.arange(CHUNK - Q // 2, CHUNK - Q // 2 + Q)
+    torch.testing.assert_close(cpu_attention.paged_attention(**case).double(), _reference(**case), atol=2e-5,
+                               rtol=1e-5)
+
+
+def test_a_rows_result_does_not_depend_on_the_thread_count():
+    case = _case(random.Random(4), 3, 4, 6, 6, 64, longest=5 * CHUNK)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(cpu_attention.paged_attention(**case))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
 def test_a_rows_result_does_not_depend_on_the_batch_around_it():
     """Bit for bit: a sequence's rows alone, or among others with longer contexts and more queries."""
-    case = _case(random.Random(1), 6, 5, 8, 4, 64)
+    case = _case(random.Random(1), 6, 5, 8, 4, 64, longest=4 * CHUNK)
     batch = cpu_attention.paged_attention(**case)
     for g in range(6):
         n = int(case["positions"][g].max()) + 1
@@ -134,6 +160,25 @@ def test_the_runner_sends_short_queries_through_the_kernel_with_the_gather_paths
     monkeypatch.setattr(cpu_attention, "paged_attention", lambda *a: calls.append(a[0].shape) or kernel(*a))
     logits = runner.forward(rest)
     assert calls == [(3, 3, 4, 16)] * runner.model.config.num_hidden_layers
+
+    monkeypatch.setattr(cpu_attention, "usable", lambda *a: False)
+    torch.testing.assert_close(logits, runner.forward(rest), atol=1e-5, rtol=1e-5)
+
+
+def test_a_lone_sequence_in_consecutive_blocks_reads_its_span_through_the_kernel(model_sets, monkeypatch):
+    """At batch 1 the cache's blocks come in order: the short group is one span, which the kernel reads as slots
+    [first, first + C), with the logits of SDPA over the span's view."""
+    runner = ModelRunner.load(str(model_sets["llama"].target), "float32", "cpu")
+    runner.allocate_cache(num_blocks=40, block_size=4)
+    seq, table = list(range(5, 40)), [6, 7, 8, 9, 10, 11, 12, 13, 14]
+    runner.forward(ForwardBatch([seq[:31]], [0], [table], [0]))
+    rest = ForwardBatch([seq[31:]], [31], [table], [len(seq) - 31])  # 4 tokens, as a verify step
+
+    calls = []
+    kernel = cpu_attention.paged_attention
+    monkeypatch.setattr(cpu_attention, "paged_attention", lambda *a: calls.append(a[3].tolist()) or kernel(*a))
+    logits = runner.forward(rest)
+    assert calls == [[list(range(6 * 4, 6 * 4 + len(seq)))]] * runner.model.config.num_hidden_layers
 
     monkeypatch.setattr(cpu_attention, "usable", lambda *a: False)
     torch.testing.assert_close(logits, runner.forward(rest), atol=1e-5, rtol=1e-5)
