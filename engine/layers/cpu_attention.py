@@ -8,8 +8,8 @@ SDPA over the copy, so a 32-sequence decode step reads its K/V three times (the 
 read) and every padded key too. torch has no CPU kernel that reads through a block table (FlexAttention's CPU path
 and an inductor-generated indirect read were measured slower than the gather), and of the CPU libraries that have
 one, intel-extension-for-pytorch stopped at 2.8.0 (built for torch 2.8) and vLLM's CPU build is not on PyPI.
-benchmarks/cpu_attention.py measures both side by side: eager forwards of the embedded target at 32 sequences
-1.55x faster at one token each, 2.0x at five (benchmarks/results/cpu_attention.json).
+benchmarks/cpu_attention.py measures both side by side, one layer and whole forwards
+(benchmarks/results/cpu_attention.json).
 
 No compiler, an unwritable cache, or a layout the kernel does not take (not float32, a sliding window): the
 caller keeps the gather path, which computes the same attention.
@@ -17,14 +17,11 @@ caller keeps the gather path, which computes the same attention.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 
 from engine.native.build import operators
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "paged_attention.cpp"
 # -ffast-math lets gcc vectorise expf through glibc's vector math library (SDPA's own CPU kernel uses an
