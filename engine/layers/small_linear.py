@@ -9,19 +9,20 @@ an outer loop over the weight's rows (split across threads) that reads each row 
 in L1 while it takes the few inputs' dot products, vectorised along the row. Eager code keeps
 F.linear: unfused, the product would materialise a weight-sized temporary.
 
-From 2 to SMALL_ROWS rows (a verify of one sequence's drafts, a few sequences decoding) that loop waits on its
-adds' latency: on the 2-core AVX2 host each row past the first cost the embedded target's compiled forward 0.94
-ms, over twice its multiply-adds at the host's matrix-product rate. kernels/small_rows_linear.cpp keeps
-independent accumulators and reuses each load over several rows: 0.51 ms a row, the forward 1.25x faster at 9
-rows and 1.42x at 16 (benchmarks/small_rows_linear.py; the narrow draft's unchanged). It is a C++ operator, so a
-compiled graph calls it without Python. At one row the loop stays: fused with the rest of the forward into one
-parallel region, it reads the weights as fast, and one row is already a graph of its own (dynamo specializes a
-size of 1). Without a C++ compiler the loop takes these rows too.
+From 2 to SMALL_ROWS rows (a verify of one sequence's drafts, a batch decoding or verifying) that loop waits
+on its adds' latency: each row past the first cost the embedded target's compiled forward 0.94 ms on the 2-core
+AVX2 host, over twice its multiply-adds at the host's matrix-product rate. kernels/small_rows_linear.cpp reads
+the weight from a copy packed at install into panels of 16 outputs (``pack``), so a tile of rows keeps its
+outputs in accumulators and uses each weight vector it loads for every row (benchmarks/small_rows_linear.py).
+It is a C++ operator, so a compiled graph calls it without Python. The panels are a second copy of the weights
+in memory. At one row the loop stays: fused with the rest of the forward into one parallel region, it reads the
+weights as fast, and one row is already a graph of its own (dynamo specializes a size of 1). Without a C++
+compiler the loop takes these rows too, and no panels are made.
 
-Past SMALL_ROWS (batched decode and verify steps) the product goes to oneDNN with the weight reordered
+Past SMALL_ROWS (prompt chunks, large batches) the product goes to oneDNN with the weight reordered
 once, at install, into its blocked layout, rather than to MKL, whose sgemm runs well below this CPU's
 AVX-512 peak: compiled forwards of the embedded target at 20 to 96 rows 22-34% faster, the draft's 8-13%
-(benchmarks/compiled_linear.py). The packed copy is a second copy of those weights in memory.
+(benchmarks/compiled_linear.py). The packed copy is a third copy of those weights in memory.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ from torch import nn
 from engine.layers.tracing import tracing
 from engine.native.build import operators
 
-# At most this many rows take the loop or the kernel. The loop alone was 2.2x faster than MKL at 3 to 10 rows on a
-# target-shaped stack and faster than packed oneDNN at 1 and 5 rows for both models of the embedded pair; between
-# 10 and 16 oneDNN won for the target and lost for the draft (benchmarks/compiled_linear.py).
+# At most this many rows take the loop or the kernel: compiled graphs and their warm-up layouts split here
+# (engine.worker.warm_up_layouts). Over a stack of linears shaped as the embedded target's, the kernel beat packed
+# oneDNN 1.36x at 8 and 16 rows, and kept ahead up to 128 (1.03x); over the draft's, 2.5x at 8 and 1.28x at 96
+# (2-core AVX2, 2 threads). Moving the split up is the next step: graphs and warm-up layouts past it change too.
 SMALL_ROWS = 16
+PANEL = 16  # outputs per panel of the few-rows kernel's packed weight (kWidth there)
 
 
 # oneDNN-packed weights by key. A traced graph cannot carry oneDNN's opaque tensors (inductor takes them only as
@@ -70,8 +73,16 @@ def rows_kernel() -> bool:
     return _LOADED[0]
 
 
-def _small_rows_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
+def _small_rows_linear_shape(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] as the few-rows kernel reads it: [ceil(N / PANEL), K, PANEL], panel p holding weight rows
+    p * PANEL ... transposed, with zero rows past N."""
+    n, k = weight.shape
+    padded = torch.cat([weight, weight.new_zeros(-n % PANEL, k)]) if n % PANEL else weight
+    return padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
 @torch.library.custom_op("specd::packed_linear", mutates_args=(), device_types="cpu")
@@ -103,8 +114,9 @@ class SmallRowsLinear(nn.Linear):
         if rows > SMALL_ROWS:
             y = packed_linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias, self.packed_key)
             return y.reshape(*x.shape[:-1], y.shape[-1])
-        if rows > 1 and self.few_rows_kernel and rows_kernel():
-            y = torch.ops.specd.small_rows_linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
+        panels = getattr(self, "panels", None)  # the weight packed for the few-rows kernel, where it is built
+        if rows > 1 and self.few_rows_kernel and panels is not None:
+            y = torch.ops.specd.small_rows_linear(x.reshape(rows, x.shape[-1]), panels, self.bias, self.out_features)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         # Realise the input first: left to itself inductor inlines the producer (an RMSNorm, SiLU(gate) * up) into
         # the reduction's inner loop and recomputes it for every output feature, which made a 5-row forward 3-8x
@@ -119,20 +131,23 @@ class SmallRowsLinear(nn.Linear):
 
 def install(model: nn.Module, stable_name: str | None = None) -> int:
     """Turns the model's float32 CPU nn.Linear layers into SmallRowsLinear (same parameters, same eager
-    forward) with a packed copy of each weight where oneDNN is built in; returns how many. ``stable_name``:
+    forward) with each weight packed for the few-rows kernel where it builds and for oneDNN where that is built in;
+    returns how many. ``stable_name``:
     key them by ``stable_key`` (for a process that compiles graphs for another)."""
     n = 0
     for layer, module in model.named_modules():
         if type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
             module.__class__ = SmallRowsLinear
+            # Built before a graph is traced or loaded (a loaded graph calls it by name). The panels are not in the
+            # state dict: made from the weight, as the oneDNN copy below.
+            if rows_kernel():
+                module.register_buffer("panels", pack(module.weight.detach()), persistent=False)
             if torch.backends.mkldnn.is_available():
                 # Reordered for 32 rows; measured as fast as a copy reordered for the actual rows from 1 to 96.
                 module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 32)
                 module.packed_key = next(_KEYS) if stable_name is None else stable_key(stable_name, layer)
                 _PACKED[module.packed_key] = module.packed
             n += 1
-    if n:
-        rows_kernel()  # built before a graph is traced or loaded: a loaded graph calls the operator by name
     return n
 
 

@@ -63,26 +63,29 @@ def test_the_few_rows_kernel_is_built_where_there_is_a_compiler():
 
 
 @pytest.mark.parametrize("rows", range(2, small_linear.SMALL_ROWS + 1))
-@pytest.mark.parametrize(("k", "n"), [(384, 1024), (1024, 384), (37, 10), (5, 3)])
+@pytest.mark.parametrize(("k", "n"), [(384, 1024), (1024, 384), (37, 10), (5, 35)])
 def test_the_few_rows_kernel_is_the_linear_product_for_every_tile_and_tail(rows, k, n):
-    # rows 2-8 take the row-at-a-time loop, 9-16 tiles of 3 rows x 4 weight rows with row and column tails; an
-    # in-features count off the vector width leaves a scalar tail
+    # rows past a whole tile (6 on AVX2, 12 on AVX-512) take a smaller one; outputs past a whole panel of 16 come
+    # from a panel padded with zeros, and only the real ones are written
     assert small_linear.rows_kernel()
     g = torch.Generator().manual_seed(rows * 1000 + k)
     x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-    op = torch.ops.specd.small_rows_linear
-    torch.testing.assert_close(op(x, w, None), x @ w.t(), atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(op(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    op, panels = torch.ops.specd.small_rows_linear, small_linear.pack(w)
+    assert panels.shape == (-(-n // small_linear.PANEL), k, small_linear.PANEL)
+    torch.testing.assert_close(op(x, panels, None, n), x @ w.t(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(op(x, panels, b, n), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
     wide = torch.randn(rows, 2 * k, generator=g)[:, ::2]  # not contiguous
-    torch.testing.assert_close(op(wide, w, None), wide @ w.t(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(op(wide, panels, None, n), wide @ w.t(), atol=1e-4, rtol=1e-5)
 
 
 def test_the_few_rows_kernel_refuses_mismatched_shapes_and_dtypes():
     assert small_linear.rows_kernel()
-    op = torch.ops.specd.small_rows_linear
-    with pytest.raises(RuntimeError, match="against a weight of"):
-        op(torch.randn(3, 8), torch.randn(4, 9), None)
+    op, panels = torch.ops.specd.small_rows_linear, small_linear.pack(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="against weight panels of"):
+        op(torch.randn(3, 9), panels, None, 20)
+    with pytest.raises(RuntimeError, match="outputs from weight panels"):
+        op(torch.randn(3, 8), panels, None, 16)  # a whole panel of nothing
     with pytest.raises(RuntimeError, match="float32"):
-        op(torch.randn(3, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64), None)
+        op(torch.randn(3, 8, dtype=torch.float64), panels.double(), None, 20)
     with pytest.raises(RuntimeError, match="bias"):
-        op(torch.randn(3, 8), torch.randn(4, 8), torch.randn(5))
+        op(torch.randn(3, 8), panels, torch.randn(5), 20)
