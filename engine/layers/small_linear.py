@@ -41,9 +41,10 @@ from engine.native.build import operators
 
 # At most this many rows take the loop or the kernel: compiled graphs and their warm-up layouts split here
 # (engine.worker.warm_up_layouts). Over a stack of linears shaped as the embedded target's, the kernel beat packed
-# oneDNN 1.36x at 8 and 16 rows, and kept ahead up to 128 (1.03x); over the draft's, 2.5x at 8 and 1.28x at 96
-# (2-core AVX2, 2 threads). Moving the split up is the next step: graphs and warm-up layouts past it change too.
-SMALL_ROWS = 16
+# oneDNN 1.36x at 8 and 16 rows, 1.11x at 64 and 1.03x at 128; over the draft's, 2.5x at 8 and 1.28x at 96 (2-core
+# AVX2, 2 threads). A split at 16 put a step in the step-cost profile (17 rows cost far more than 16), and 8
+# sequences verifying ran 0.88x no speculation; at 64 every batch of up to 8 verifying stays on the kernel.
+SMALL_ROWS = 128
 PANEL = 16  # outputs per panel of the few-rows kernel's packed weight (kWidth there)
 
 
