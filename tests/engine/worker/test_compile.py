@@ -18,6 +18,7 @@ import torch
 
 from engine import LLM, CompileMode, EngineConfig, SamplingParams
 from engine.layers import attention, small_linear
+from engine.layers.attention_metadata import SHORT_QUERY
 from engine.speculative import calibrate as calibration
 from engine.speculative.calibrate import profile_blocks
 from engine.worker import aot_graphs, precompile
@@ -283,12 +284,12 @@ def test_graphs_that_do_not_fit_the_model_at_load_keep_every_guard_and_never_run
 
 
 def test_short_prompts_alone_or_many_at_once_meet_no_uncompiled_layout(compiled_llm, pair8):
-    """A prompt of up to SHORT_QUERY tokens is fed through the compiled path: one of more than small_linear's rows
-    alone (its LM head then takes one row), and more prompts of one length admitted together than the head's
+    """A prompt of up to SHORT_QUERY tokens is fed through the compiled path: one of SHORT_QUERY tokens alone (its LM
+    head then takes one row), and more prompts of one length admitted together than the head's
     rows (it then takes them packed; then they decode at one context, unmasked) were missing from the warm-up and
     ran eagerly."""
     ref = Reference(pair8 / "target", eos=7)
-    alone = [[(3 * i) % 7 for i in range(small_linear.SMALL_ROWS + 4)]]
+    alone = [[(3 * i) % 7 for i in range(SHORT_QUERY)]]
     together = [[(i + j) % 7 for j in range(5)] for i in range(small_linear.SMALL_ROWS + 4)]
     before = [(r.compiled.calls, r.compiled.uncompiled) for r in runners(compiled_llm)]
     for prompts in (alone, together):
