@@ -93,7 +93,7 @@ class Lifespan:
         if state.draining:  # shut down while loading: nothing to serve
             return
         state.metrics.declare_methods(draft_methods(engine))
-        state.metrics.declare_compile(lambda: engine.compile_state)
+        state.metrics.declare_compile(lambda: engine.compile_state, lambda: engine.uncompiled_forwards)
         if "suffix" in draft_methods(engine):
             state.metrics.declare_suffix_cache(engine.drafting.suffix_cache_nodes)  # type: ignore[union-attr]
         if engine.controller is not None:

@@ -22,6 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from engine import GRAMMAR_SOURCE, AuditResult, LLMEngine, RequestOutput, StepStats
 from server.controller_metrics import ControllerMetrics
 from server.count_histogram import CountHistogram
+from server.read_counter import ReadCounter
 from server.step_window import StepWindow
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -113,20 +114,17 @@ class Metrics:
         self.draft_seconds = counter("specd:draft_seconds", "Drafting (proposals, all draft forwards) within steps.")
         self.controller = ControllerMetrics(r, name)
         # Prefix caching: hits / queries is the fraction of admitted tokens whose K/V was reused.
-        self.prefix_queries = counter(
-            "specd:prefix_cache_queries", "Tokens of admitted sequences looked up in the prefix cache (recomputes too)."
-        )
+        self.prefix_queries = counter("specd:prefix_cache_queries",
+                                      "Tokens of admitted sequences looked up in the prefix cache (recomputes too).")
         self.prefix_hits = counter("specd:prefix_cache_hits", "Of those, tokens whose K/V the prefix cache held.")
         self.held = counter("specd:prefill_held_prompts", "Waiting prompts held a step for later ones.")
         # Structured output: requests, what their grammars cost, and the drafts they force for free.
         self.structured = counter("specd:structured_requests", "Requests (choices) queued with an output constraint.")
-        self.grammar_compile = histogram(
-            "specd:grammar_compile_seconds", "Building a structured request's grammar matcher.", GRAMMAR_BUCKETS
-        )
+        self.grammar_compile = histogram("specd:grammar_compile_seconds",
+                                         "Building a structured request's grammar matcher.", GRAMMAR_BUCKETS)
         self.grammar_seconds = counter("specd:grammar_seconds", "Computing grammar token masks within steps, seconds.")
-        self.forced_drafts = counter(
-            "specd:grammar_forced_draft_tokens", "Draft tokens proposed because the grammar allowed nothing else."
-        )
+        self.forced_drafts = counter("specd:grammar_forced_draft_tokens",
+                                     "Draft tokens proposed because the grammar allowed nothing else.")
         self.forced_accepted = counter("specd:grammar_forced_accepted_tokens", "Of those, tokens the target accepted.")
         # Tokens and requests, from what the HTTP handlers delivered.
         self.prompt_tokens = counter("specd:prompt_tokens", "Prompt tokens of requests, counted once per request.")
@@ -185,9 +183,11 @@ class Metrics:
             QUEUE_BUCKETS,
         )
 
-    def declare_compile(self, state: Callable[[], str]) -> None:
+    def declare_compile(self, state: Callable[[], str], uncompiled: Callable[[], int]) -> None:
         """``specd:compile_state``, read from the engine at each scrape: 1 for its state, 0 for the others (the
-        exposition of prometheus_client's Enum, whose value is set, not read when scraped)."""
+        exposition of prometheus_client's Enum, whose value is set, not read when scraped); the eager forwards."""
+        ReadCounter("specd:uncompiled_forwards", "Decode and verify forwards of a compiled model run eagerly: their "
+                    "layout was not among the compiled ones.", self.model_name, uncompiled, self.registry)
         family = Gauge(
             "specd:compile_state", "torch.compile of the decode and verify forwards: off, compiling (served eagerly "
             "until ready), compiled, or failed (served eagerly).", ["model_name", "state"], registry=self.registry,

@@ -86,6 +86,11 @@ class LLMEngine:
         states = {c.state for c in self._compiled}
         return next((s for s in ("compiling", "failed", "compiled") if s in states), "off")
 
+    @property
+    def uncompiled_forwards(self) -> int:
+        """Decode and verify forwards of compiled models that ran eagerly (a layout no graph covers)."""
+        return sum(c.uncompiled for c in self._compiled)
+
     # ---- requests -------------------------------------------------------------------------------
 
     def encode(self, prompt: str | Seq[int]) -> list[int]:

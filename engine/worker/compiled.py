@@ -30,6 +30,7 @@ from engine.layers import attention, small_linear
 from engine.layers.compile_limit import compile_with_limit
 from engine.layers.tracing import compiled_call
 from engine.types.config import CompileMode
+from engine.worker.compile_cache import tag_caches
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class CompiledForward:
         self.name = name
         # The C++ wrapper drops the Python between kernels; CUDA's wrapper is Python (graphs are the lever there).
         options: dict[str, Any] = {"cpp_wrapper": True} if next(model.parameters()).device.type == "cpu" else {}
+        tag_caches()
         small_linear.install(model)  # few-row products as fused loops rather than MKL calls (CPU, float32)
         options["guard_filter_fn"] = _without_module_guards
         self.entry = _own_entry(name)

@@ -36,12 +36,11 @@ import transformers
 from engine.layers import small_linear
 from engine.worker import aot_graphs, model_guards
 from engine.worker.aot_graphs import Entry, Precompiled, compile_runner, stale
-from engine.worker.compile_cache import PRECOMPILED, cache_dir, machine
+from engine.worker.compile_cache import ENGINE_ROOT, PRECOMPILED, cache_dir, engine_source, machine, tag_caches
 from engine.worker.warm_up_layouts import warm_up_blocks
 
 logger = logging.getLogger(__name__)
 
-ENGINE_ROOT = Path(__file__).resolve().parents[1]
 PROGRESS = "engine.worker.aot_graphs: "  # how the child's progress lines start, after their time
 
 
@@ -58,9 +57,6 @@ class Model:
     draft: bool = False
 
 
-# What a graph is built from besides the code dynamo traced (checked line by line at load, aot_graphs.stale):
-# the layers' custom ops and their C kernels, how a graph picks its layout, and which layouts there are.
-BUILT_FROM = ("layers", "native", "worker/aot_graphs.py", "worker/warm_up_layouts.py")
 WEIGHTS = (".safetensors", ".bin", ".pt")
 EDGE = 1 << 20  # bytes read from each end of a weights file
 
@@ -89,15 +85,9 @@ def key(runner: Any, k_max: int) -> str:
     """What a model's graphs depend on besides the code they traced: the libraries, the machine and its thread
     count, the checkpoint, the layers' ops. Stable across clones: a graph file built elsewhere from the same
     checkout loads here."""
-    source = hashlib.sha256()
-    for part in BUILT_FROM:
-        root = ENGINE_ROOT / part
-        for path in sorted([root] if root.is_file() else root.rglob("*")):
-            if path.is_file() and "__pycache__" not in path.parts:
-                source.update(path.relative_to(ENGINE_ROOT).as_posix().encode() + path.read_bytes())
     # The thread count too: every graph's guards check it (dynamo's global state), and a file built at another
     # count loaded and never ran (tests at one thread a worker met graphs a run at two had written).
-    facts = {"engine": source.hexdigest(), "torch": torch.__version__, "transformers": transformers.__version__,
+    facts = {"engine": engine_source(), "torch": torch.__version__, "transformers": transformers.__version__,
              **machine(), "threads": torch.get_num_threads(), "model": fingerprint(runner.name),
              "dtype": str(runner.dtype).removeprefix("torch."),
              "k_max": k_max, "block_size": runner.cache.block_size}
@@ -264,6 +254,7 @@ def main(spec: dict[str, Any]) -> None:
 
     os.setpriority(os.PRIO_PROCESS, 0, 19)  # the server's requests first; the compile gets what they leave
     torch.set_num_threads(spec["threads"])
+    tag_caches()
     parent = os.getppid()
 
     def watch() -> None:  # a server gone (killed, or stopped before the compile was done) ends the compile

@@ -1,5 +1,6 @@
 """--compile background over HTTP: the server is ready at once, serving while its models compile, and /health
-and specd:compile_state say where the compile stands (compiling, then compiled or failed)."""
+and specd:compile_state say where the compile stands (compiling, then compiled or failed); and
+specd:uncompiled_forwards_total counts the forwards a compiled model ran eagerly."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def test_a_background_compile_serves_at_once_and_reports_its_state(make_server, 
     held: list[BackgroundWarmUp] = []
     monkeypatch.setattr(BackgroundWarmUp, "start", lambda self: held.append(self) or self)  # run below, by hand
     ms = model_sets["llama"]
-    live = make_server(tiny_engine(ms.target, compile="background"), compile="background")
+    engine = tiny_engine(ms.target, compile="background")
+    live = make_server(engine, compile="background")
     assert live.get("/health").json() == {"status": "ready", "compile": "compiling"}
     assert state(live) == {"off": 0.0, "compiling": 1.0, "compiled": 0.0, "failed": 0.0}
     client = live.client()
@@ -38,3 +40,10 @@ def test_a_background_compile_serves_at_once_and_reports_its_state(make_server, 
     assert state(live) == {"off": 0.0, "compiling": 0.0, "compiled": 0.0, "failed": 1.0}
     again = client.completions.create(model=MODEL, prompt="def fib(n):", max_tokens=12, temperature=0.0)
     assert again.choices[0].text == eager.choices[0].text
+
+    # Forwards a compiled model ran eagerly (its layout not compiled: tests/engine/worker/test_compile.py), as
+    # the engine counts them, at each scrape.
+    assert live.metric("specd:uncompiled_forwards_total", model_name=MODEL) == 0.0
+    engine.target.compiled.uncompiled = 3
+    assert engine.uncompiled_forwards == 3
+    assert live.metric("specd:uncompiled_forwards_total", model_name=MODEL) == 3.0

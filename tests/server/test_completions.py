@@ -185,6 +185,7 @@ def test_models_health_and_metrics(server):
     assert server.get("/health").json() == {"status": "ready", "compile": "off"}
     assert server.metric("specd:compile_state", model_name=MODEL, state="off") == 1.0
     assert server.metric("specd:compile_state", model_name=MODEL, state="compiling") == 0.0
+    assert server.metric("specd:uncompiled_forwards_total", model_name=MODEL) == 0.0
     before = server.metric("specd:generation_tokens_total", model_name=MODEL)
     drafted = server.metric("specd:spec_decode_num_draft_tokens_total", model_name=MODEL)
     complete(server.client(), prompt=PROMPT, max_tokens=8, ignore_eos=True, **GREEDY)

@@ -421,9 +421,11 @@ def test_a_layout_the_warm_up_did_not_compile_runs_eagerly_instead_of_stalling_t
     assert runner.compiled.frozen
     batch = ForwardBatch([[7], [1], [2]], [20, 30, 10], [[1, 2], [3, 4, 5], [6]], [1, 0, 1])
     frames, calls, uncompiled = counters["stats"]["unique_graphs"], runner.compiled.calls, runner.compiled.uncompiled
+    eager = compiled_llm.engine.uncompiled_forwards
     got = runner.forward(batch)
     assert counters["stats"]["unique_graphs"] == frames, "a layout was compiled while serving"
     assert (runner.compiled.calls, runner.compiled.uncompiled) == (calls, uncompiled + 1), "counted as eager"
+    assert compiled_llm.engine.uncompiled_forwards == eager + 1, "specd:uncompiled_forwards_total reads it"
     runner.compiled.failed = True  # the same forward through the plain model
     try:
         want = runner.forward(batch)

@@ -1,14 +1,18 @@
 """Compile caches shipped beside a model (engine.worker.compile_cache): the one built on a machine like this one
-unpacked into inductor's cache, once; the others refused, with the difference named."""
+unpacked into inductor's cache, once; the others refused, with the difference named. And inductor's cache keyed by
+the engine code a graph is built from."""
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.worker import compile_cache
 
@@ -100,3 +104,48 @@ def test_the_embedded_pairs_caches_name_every_field_a_machine_is_checked_on():
     for packed, built in caches:
         assert set(built) == set(compile_cache.machine()), packed.name
         assert packed == compile_cache.archive(packed.parent, built), "named for another CPU than it was built on"
+
+
+@pytest.fixture
+def engine_copy(tmp_path, monkeypatch) -> Iterator[Path]:
+    """A copy of the engine files a graph is built from, read in place of the checkout's."""
+    root = tmp_path / "engine"
+    for part in compile_cache.BUILT_FROM:
+        source = compile_cache.ENGINE_ROOT / part
+        if source.is_dir():
+            shutil.copytree(source, root / part, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (root / part).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, root / part)
+    monkeypatch.setattr(compile_cache, "ENGINE_ROOT", root)
+    compile_cache.engine_source.cache_clear()
+    with torch.compiler.config.patch(cache_key_tag=""):  # the process's own tag after the test
+        yield root
+    compile_cache.engine_source.cache_clear()  # the checkout's again
+
+
+def test_inductors_caches_are_keyed_by_the_code_that_shapes_the_graphs(engine_copy):
+    """A cached graph brings back the shape guards it was compiled under: one cached at a split of 16 rows kept a
+    32-sequence decode eager in every graph compiled over it after the split moved to 128. A change to that code
+    keys the cache apart; anything else (the server, the scheduler) leaves it shared."""
+    compile_cache.tag_caches()
+    first = torch.compiler.config.cache_key_tag
+    assert first == f"specd-{compile_cache.engine_source()[:16]}"
+    small_linear = engine_copy / "layers" / "small_linear.py"
+    text = small_linear.read_text()
+    assert "SMALL_ROWS = 128" in text
+    small_linear.write_text(text.replace("SMALL_ROWS = 128", "SMALL_ROWS = 16"))
+    compile_cache.engine_source.cache_clear()
+    compile_cache.tag_caches()
+    assert torch.compiler.config.cache_key_tag != first
+    small_linear.write_text(text)
+    compile_cache.engine_source.cache_clear()
+    compile_cache.tag_caches()
+    assert torch.compiler.config.cache_key_tag == first
+
+
+def test_a_model_compiled_in_this_process_compiles_under_the_tag(engine_copy):
+    from engine.worker.compiled import CompiledForward
+
+    CompiledForward(torch.nn.Sequential(torch.nn.Linear(4, 4)), "tiny")
+    assert torch.compiler.config.cache_key_tag == f"specd-{compile_cache.engine_source()[:16]}"
