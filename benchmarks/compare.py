@@ -123,9 +123,11 @@ def main() -> None:
                     help="measure a run again, once the machine is quiet, when other processes took more than this "
                          "share of its CPU time meanwhile (default 0.1; 1 to never)")
     ap.add_argument("--attempts", type=int, default=3, help="most measurements of one run (default 3)")
-    ap.add_argument("--baseline", default=report.BASELINE, choices=[report.BASELINE, "specd none compiled"],
-                    help="the system every ratio and same-text check is taken against (default: specd none, eager; "
-                         "specd none compiled to compare compiled with compiled)")
+    ap.add_argument("--baseline", default=report.BASELINE,
+                    help="the system every ratio and same-text check is taken against, one of those run (default: "
+                         "specd none, eager; specd none compiled to compare compiled with compiled; a --variant's "
+                         "name, e.g. 'specd adaptive default (--speculative-method none)': the default server as it "
+                         "starts, speculation off)")
     ap.add_argument("--base-tree", type=Path,
                     help="another checkout (a git worktree of an earlier commit, say): adds 'specd adaptive default "
                          "(base)', the default server run from there, to A/B two commits on one run's prompts")

@@ -149,10 +149,10 @@ class ServerConfig:
     )
     compile: str = option(
         "auto", "`torch.compile` the target's and the draft's decode and verify forwards: `start` before serving "
-        "(the flag alone), `background` serving eagerly until a child process at the lowest CPU priority has "
-        "compiled them (on CPU; later starts load its files at once), `off`, or `auto`: `background` on CPU in "
-        "float32 where a C++ compiler is found, else `off` (in YAML, true and false are `start` and `off`); the first "
-        "compile on a machine takes minutes, later ones read inductor's cache",
+        "(the flag alone), `background` serving eagerly until a child process at the lowest CPU priority has compiled "
+        "them (on CPU, where `start` waits for the same child; later starts load its files at once), `off`, or `auto`: "
+        "`background` on CPU in float32 where a C++ compiler is found, else `off` (in YAML, true and false are `start` "
+        "and `off`); the first compile on a machine takes minutes, later ones read inductor's cache",
         choices=COMPILE_MODES, bare="start", metavar="MODE", engine=True, from_yaml=_compile_mode,
     )
     prefix_caching: bool = option(

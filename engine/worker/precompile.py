@@ -217,7 +217,7 @@ def background(runners: Sequence[Any], k_max: int, dtype: str, trust_remote_code
                    for i, (r, f) in enumerate(zip(runners, files)) if not current(f)]
         if missing:
             t0 = time.perf_counter()
-            logger.info("compile background: compiling %s in a child process", " and ".join(m.path for m in missing))
+            logger.info("compile: compiling %s in a child process", " and ".join(m.path for m in missing))
             child = spawn(missing, k_max, runners[0].cache.block_size)
             assert child.stderr is not None
             tail: collections.deque[str] = collections.deque(maxlen=5)

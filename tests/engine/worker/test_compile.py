@@ -162,6 +162,24 @@ def test_a_later_start_finds_the_graphs_on_disk_and_serves_compiled_from_its_fir
     assert "compiling" not in log and "run eagerly" not in log, log
 
 
+def test_compile_start_serves_the_graphs_on_disk_before_it_returns(compiled_llm, pair8, caplog):
+    """--compile start on CPU serves the graphs the background compile wrote, loaded before the engine exists, not
+    this process's own torch.compile (dynamic shapes: slower forwards, and compiled again at every start)."""
+    caplog.set_level(logging.INFO, logger="engine")
+    llm = LLM(model=str(pair8 / "target"), draft_model=str(pair8 / "draft"), speculative_method="draft_model",
+              num_speculative_tokens=K, dtype="float32", device="cpu", compile="start")
+    engine = llm.engine
+    assert engine.compile_mode is CompileMode.START and engine.background_compile is None
+    assert engine.compile_state == "compiled" and "serve graphs compiled ahead of time" in caplog.text
+    assert all(r.compiled.precompiled is not None and r.compiled.frozen for r in runners(llm))
+    assert "compiling /" not in caplog.text, "compiled in this process"
+    ref = Reference(pair8 / "target", eos=7)
+    for p, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
+        assert_same_as_target(ref, p, out.token_ids, "--compile start")
+    for runner in runners(llm):
+        assert runner.compiled.calls > 0 and runner.compiled.uncompiled == 0, runner.name
+
+
 def failing_child(*args, **kwargs) -> subprocess.Popen[bytes]:  # noqa: ANN002, ANN003
     return subprocess.Popen([sys.executable, "-c", "raise SystemExit('no compiler here')"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -390,19 +408,23 @@ def test_graphs_of_a_checkpoint_loaded_twice_run_on_its_shared_layers_and_never_
     assert all(m.packed is p and m.packed_key == k for m, (p, k) in zip(packed(other), before)), "refused, yet changed"
 
 
-def test_where_the_child_fails_this_process_compiles_the_layouts_itself(pair8, monkeypatch, caplog):
-    """The in-process warm-up (the fallback of a failed child, a self-drafting model's and --compile start's
-    path): it compiles in a thread while serving, then serves its graphs, with the target's output. Two of the
-    layouts, for time: a sequence decoding over blocks in order or gathered."""
+@pytest.mark.parametrize("mode", ["background", "start"])
+def test_where_the_child_fails_this_process_compiles_the_layouts_itself(pair8, monkeypatch, caplog, mode):
+    """The in-process warm-up (the fallback of a failed child, and a self-drafting model's path): in a thread
+    while serving (background) or before the engine exists (start), then it serves its graphs, with the target's
+    output. Two of the layouts, for time: a sequence decoding over blocks in order or gathered."""
     from engine.worker import model_runner
 
     caplog.set_level(logging.INFO, logger="engine")
     layouts = model_runner.warm_up_layouts
     monkeypatch.setattr(model_runner, "warm_up_layouts", lambda *args: layouts(*args)[:2])
     monkeypatch.setattr(precompile, "spawn", failing_child)
-    llm = LLM(model=str(pair8 / "target"), speculative_method="none", dtype="float32", device="cpu",
-              compile="background")
-    assert llm.engine.background_compile is not None and llm.engine.background_compile.join(timeout=600)
+    monkeypatch.setattr(precompile, "at_start", lambda runners, k_max: False)  # the module's files, if written
+    llm = LLM(model=str(pair8 / "target"), speculative_method="none", dtype="float32", device="cpu", compile=mode)
+    if mode == "background":
+        assert llm.engine.background_compile is not None and llm.engine.background_compile.join(timeout=600)
+    else:
+        assert llm.engine.background_compile is None
     assert llm.engine.compile_state == "compiled" and "compiling here instead" in caplog.text
     assert "compiling /" in caplog.text and "layout 2/2" in caplog.text, "compiled in this process"
     ref = Reference(pair8 / "target", eos=7)
