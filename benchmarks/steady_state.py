@@ -10,8 +10,9 @@ at once, as a loaded server sees them (a fixed LLM.generate batch instead drains
 cost_breakdown.py measures that case). Rounds interleave the engines, each round on prompts not sent before.
 --prefill-hold-steps sets both engines' (0: every prompt admitted at once).
 Per engine and kind of step (decode only or with a prompt chunk; the goodput controller's plain, probe or
-speculate): steps, milliseconds a step, of them the target's forward and the rest (host work and any draft
-forward), tokens emitted and sequences decoding a step. Then the step-cost model's own check: for every decode
+speculate): steps, milliseconds a step, of them the target's forward, the drafting (the drafters' forwards and
+proposals) and the rest (planning, lookups, verification, the scheduler), tokens emitted and sequences decoding a
+step. Then the step-cost model's own check: for every decode
 and verify forward the default timed after its first third of steps, the target's seconds the model predicted
 (just before it learnt from that forward) over the seconds measured, by tokens fed. No HTTP: compare.py's
 servers add their own work, and the gap between the two is the server's.
@@ -110,6 +111,7 @@ def main() -> None:
                 k["steps"] += 1
                 k["ms"] += 1e3 * s.step_seconds
                 k["target_ms"] += 1e3 * s.target_seconds
+                k["draft_ms"] += 1e3 * s.draft_seconds
                 k["tokens"] += s.num_generated_tokens
                 k["decoding"] += s.num_decoding
                 k["prompt_tokens"] += s.num_prompt_tokens
@@ -118,17 +120,18 @@ def main() -> None:
     medians = {n: statistics.median(v) for n, v in tok_s.items()}
     print(f"\ndefault / none: {medians['default'] / medians['none']:.2f}x (ratio of median tok/s, "
           f"{args.concurrency} in flight, {args.set})\n")
-    print("| engine | step | steps | ms a step | target ms | rest ms | tokens a step | decoding | prompt tokens |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| engine | step | steps | ms a step | target ms | draft ms | rest ms | tokens a step | decoding "
+          "| prompt tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for (name, k), c in sorted(kinds.items()):
         n = c["steps"]
         row = {"engine": name, "step": k, "steps": n, "ms": c["ms"] / n, "target_ms": c["target_ms"] / n,
-               "rest_ms": (c["ms"] - c["target_ms"]) / n, "tokens": c["tokens"] / n, "decoding": c["decoding"] / n,
-               "prompt_tokens": c["prompt_tokens"] / n}
+               "draft_ms": c["draft_ms"] / n, "rest_ms": (c["ms"] - c["target_ms"] - c["draft_ms"]) / n,
+               "tokens": c["tokens"] / n, "decoding": c["decoding"] / n, "prompt_tokens": c["prompt_tokens"] / n}
         rows.append(row)
-        print(f"| {name} | {k} | {n} | {row['ms']:.2f} | {row['target_ms']:.2f} | {row['rest_ms']:.2f} | "
-              f"{row['tokens']:.1f} | {row['decoding']:.1f} | {row['prompt_tokens']:.0f} |")
+        print(f"| {name} | {k} | {n} | {row['ms']:.2f} | {row['target_ms']:.2f} | {row['draft_ms']:.2f} | "
+              f"{row['rest_ms']:.2f} | {row['tokens']:.1f} | {row['decoding']:.1f} | {row['prompt_tokens']:.0f} |")
     by_size: dict[int, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for tokens, predicted, seconds in checks[len(checks) // 3 :]:  # once the model has followed the compile
         b = by_size[int(tokens) // 16 * 16]

@@ -113,10 +113,20 @@ def probs_from_logits(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     return probs / probs.sum(-1, keepdim=True)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax over the last dimension, [..., V] -> [...] long: the first maximum, a NaN counting as one.
+    On the CPU numpy's, the same answer: torch's CPU kernel for an index reduction is scalar, about ten times
+    numpy's SIMD one (0.85 against 0.08 ms for 80 rows of an 8,192-token vocabulary on 2 AVX2 cores), and
+    every step runs one over each verified row."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.shape[-1] > 0:
+        return torch.from_numpy(x.detach().numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
 def sample_from(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p (it is Gumbel-max in
     disguise) and needs no normalisation. probs [R, V], noise [R, V] -> tokens [R]."""
-    return (probs / noise).argmax(dim=-1)
+    return argmax_rows(probs / noise)
 
 
 def logprobs_of(

@@ -11,7 +11,15 @@ import math
 import torch
 
 from engine.sample import rng
-from engine.sample.sampling import keeps_logits, logprobs_of, probs_from_logits, process_logits, row_spec, sample_from
+from engine.sample.sampling import (
+    argmax_rows,
+    keeps_logits,
+    logprobs_of,
+    probs_from_logits,
+    process_logits,
+    row_spec,
+    sample_from,
+)
 from engine.sample.verify import accepted_prefix, emitted, final_distribution, greedy_accepted
 from engine.structured.grammar import apply_masks
 from engine.types.outputs import Verdict
@@ -55,12 +63,11 @@ class Verifier:
         return verdicts  # type: ignore[return-value]
 
     def _greedy(self, drafts: list[list[int]], logits: torch.Tensor) -> list[Verdict]:
-        """A step where every row is the target's own greedy choice (the common decode): one reduction over the
+        """A step where every row is the target's own greedy choice (the common decode): two reductions over the
         logits, read back once, and the acceptance on the host. Its per-step cost, a few dozen microseconds of
         Python, replaces some twenty small tensor ops; mixed steps keep the tensor path below."""
-        # max propagates NaN and +inf, and is -inf only for a row with nothing finite; first maximum, as argmax.
-        top, choice = logits.max(dim=-1)  # [R], [R]
-        top_l, choice_l = top.tolist(), choice.tolist()
+        # amax propagates NaN and +inf, and is -inf only for a row with nothing finite.
+        top_l, choice_l = logits.amax(dim=-1).tolist(), argmax_rows(logits).tolist()  # [R], [R]
         verdicts, row = [], 0
         for d in drafts:
             n = len(d) + 1
@@ -85,7 +92,7 @@ class Verifier:
         offsets = (ks_t + 1).cumsum(0) - (ks_t + 1)  # [B] first row of each sequence
         index = offsets[:, None] + torch.minimum(torch.arange(K + 1, device=dev)[None, :], ks_t[:, None])  # [B, K+1]
         draft_t = torch.tensor([d + [0] * (K - len(d)) for d in drafts], dtype=torch.long, device=dev)  # [B, K]
-        choice = processed.argmax(-1)[index]  # [B, K+1]: the greedy choice
+        choice = argmax_rows(processed)[index]  # [B, K+1]: the greedy choice
         greedy = [s.params.greedy for s in seqs]
         seeded = [not g and s.params.seed is not None for s, g in zip(seqs, greedy)]
         probs = keys = first = None

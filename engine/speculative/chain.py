@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from engine.sample import rng
-from engine.sample.sampling import probs_from_logits, process_logits, row_spec, sample_from
+from engine.sample.sampling import argmax_rows, probs_from_logits, process_logits, row_spec, sample_from
 from engine.speculative.source import DraftRequest, Proposal
 from engine.structured.grammar import apply_masks
 from engine.types.sequence import Sequence
@@ -85,7 +85,7 @@ def _pick(logits: torch.Tensor, reqs: list[DraftRequest], drafted: list[list[int
     if walks:
         index = torch.tensor([i for _, i, _ in walks])
         logits = apply_masks(logits, walks[0][0].backend.masks(len(reqs), walks)[index], index)
-    picked = logits.argmax(-1)  # [a]
+    picked = argmax_rows(logits)  # [a]
     if all(r.seq.params.greedy for r in reqs):
         return picked, None
     q = probs_from_logits(logits, [s.params for s in specs])  # [a, V]

@@ -10,7 +10,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.sample.sampling import RowSpec, logprobs_of, probs_from_logits, process_logits, row_spec, sample_from
+from engine.sample.sampling import (
+    RowSpec,
+    argmax_rows,
+    logprobs_of,
+    probs_from_logits,
+    process_logits,
+    row_spec,
+    sample_from,
+)
 from engine.types.sampling_params import SamplingParams
 from engine.types.sequence import Sequence
 
@@ -25,6 +33,33 @@ def logits_of(probs):
 
 def kept(probs_row):
     return (probs_row > 0).nonzero().flatten().tolist()
+
+
+# ---- argmax --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_argmax_rows_is_torch_argmax_first_maximum_and_nan_included(dtype):
+    """numpy's argmax serves the CPU: it must pick what torch's does, ties and NaN rows included, so greedy
+    outputs do not depend on which library read the logits."""
+    x = torch.randn(6, 50, dtype=dtype)
+    x[1, 3] = x[1, 40] = 9.0  # a tie: the first maximum
+    x[2, 7] = x[2, 11] = float("nan")  # NaN counts as the maximum, the first one
+    x[3] = float("-inf")  # nothing finite: index 0
+    x[4, 30] = float("inf")
+    x[5, :] = 1.0  # all equal
+    got = argmax_rows(x)
+    assert got.dtype == torch.long
+    assert got.tolist() == x.argmax(dim=-1).tolist() == [int(x[0].argmax()), 3, 7, 0, 30, 0]
+    batched = torch.randn(3, 4, 20, dtype=dtype)
+    assert torch.equal(argmax_rows(batched), batched.argmax(dim=-1))
+    strided = x.t().contiguous().t()  # a non-contiguous view of the same values
+    assert argmax_rows(strided).tolist() == got.tolist()
+
+
+def test_argmax_rows_of_bf16_logits_takes_torch_own():
+    x = torch.randn(3, 40).to(torch.bfloat16)
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
 
 
 # ---- temperature and truncation -----------------------------------------------------------------
