@@ -12,9 +12,9 @@ cost_breakdown.py measures that case). Rounds interleave the engines, each round
 Per engine and kind of step (decode only or with a prompt chunk; the goodput controller's plain, probe or
 speculate): steps, milliseconds a step, of them the target's forward, the drafting (the drafters' forwards and
 proposals) and the rest (planning, lookups, verification, the scheduler), tokens emitted and sequences decoding a
-step. Then the step-cost model's own check: for every decode
-and verify forward the default timed after its first third of steps, the target's seconds the model predicted
-(just before it learnt from that forward) over the seconds measured, by tokens fed. No HTTP: compare.py's
+step. Then the step-cost model's own check: for every decode and verify forward the default timed after its first
+third of steps, the target's seconds the model predicted (just before it learnt from that forward) over the
+seconds measured, by tokens fed. No HTTP: compare.py's
 servers add their own work, and the gap between the two is the server's.
 Writes benchmarks/results/steady_state.json.
 """
