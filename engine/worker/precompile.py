@@ -34,7 +34,7 @@ import torch
 import transformers
 
 from engine.layers import small_linear
-from engine.worker import aot_graphs, model_guards
+from engine.worker import aot_graphs, kernel_call, model_guards
 from engine.worker.aot_graphs import Entry, Precompiled, compile_runner, stale
 from engine.worker.compile_cache import ENGINE_ROOT, PRECOMPILED, cache_dir, engine_source, machine, tag_caches
 from engine.worker.warm_up_layouts import warm_up_blocks
@@ -144,11 +144,16 @@ def load(runner: Any, path: Path) -> Precompiled | None:
     # Precompiled checks a graph's guards to pick it, and torch's own call checked them all again: every
     # forward, target and draft alike (batch-1 agentic turns: 1.11x tokens/s in process, on 2 CPU cores). Set here,
     # not in aot_graphs, whose text keys the graph files (a change there would leave the shipped ones stale).
+    wrapped = 0
     for candidates in graphs.graphs.values():
         for fn in candidates:
             if hasattr(fn, "disable_guard_check"):  # a torch without it checks twice, as before
                 fn.disable_guard_check()
             model_guards.check_directly(fn)
+            wrapped += not kernel_call.call_kernel_directly(fn)
+    if wrapped:
+        logger.info("%d of %d precompiled graphs of %s keep AOTAutograd's runtime wrapper (it has work to do there, "
+                    "or this torch lays it out otherwise)", wrapped, len(graphs), runner.name)
     return graphs
 
 

@@ -265,6 +265,39 @@ def test_a_loaded_graphs_own_guard_check_answers_as_torchs_for_every_forward(com
     assert True in answers and False in answers, answers
 
 
+def test_loaded_graphs_call_their_kernels_directly_with_the_logits_of_torchs_call(compiled_llm, monkeypatch):
+    """AOTAutograd's runtime wrapper only hands these graphs' calls through (engine.worker.kernel_call): every graph
+    read back, both models', calls inductor's function itself, and a decode and a verify forward that way give the
+    logits torch's own call gives, bit for bit."""
+    direct: list[int] = []
+    graphs = []  # (the bytecode's globals, the name its call looks up, our direct call)
+    for runner in runners(compiled_llm):
+        for group in runner.compiled.precompiled.graphs.values():
+            for fn in group:
+                scope, name = fn.fn.__globals__, fn._artifacts.backend_id
+                assert hasattr(scope[name], "__wrapped__"), f"a graph of {runner.name} keeps torch's call"
+                graphs.append((scope, name, scope[name]))
+    for scope, name, kernel in graphs:
+        def counted(*args, _kernel=kernel):  # noqa: ANN002, ANN202
+            direct.append(1)
+            return _kernel(*args)
+
+        monkeypatch.setitem(scope, name, counted)
+    runner = compiled_llm.engine.target
+    block = [compiled_llm.engine.block_manager.num_blocks]  # the warm-up's own block: no sequence's cache
+    for tokens in ([7], [7, 1, 2, 3][: K + 1]):
+        batch = ForwardBatch([tokens], [5], [block], [len(tokens)])
+        calls, ran = runner.compiled.calls, len(direct)
+        ours = runner.forward(batch).clone()
+        assert runner.compiled.calls == calls + 1 and len(direct) == ran + 1, "a graph ran, by its direct call"
+        with monkeypatch.context() as torchs:
+            for scope, name, kernel in graphs:
+                torchs.setitem(scope, name, kernel.__wrapped__)
+            theirs = runner.forward(batch)
+        assert runner.compiled.calls == calls + 2 and len(direct) == ran + 1, "a graph ran, by torch's call"
+        assert torch.equal(ours, theirs)
+
+
 def test_a_precompiled_forward_checks_no_guard_on_the_model_it_was_loaded_for(compiled_llm, monkeypatch):
     """The model's ~90% of a graph's guards (its modules' attributes, parameters, types) were checked once when
     the graph was read back (engine.worker.model_guards): a forward passes though an attribute of the model that
