@@ -8,6 +8,7 @@ from functools import partial
 
 import torch
 
+from engine.layers.attention_metadata import SHORT_QUERY
 from engine.speculative.chain import chain_batch, draft_chain
 from engine.speculative.source import DraftRequest, Proposal
 from engine.types.sequence import Sequence
@@ -29,7 +30,7 @@ class DraftModelSource:
         self.vocab = target_vocab
         self.eos_ids = eos_ids
         self.confidence = confidence  # engine.speculative.chain.draft_chain's: stop a row after an unsure draft
-        self._forward_times: list[tuple[int, float]] = []
+        self._forward_times: list[tuple[int, float, bool]] = []
 
     def lag(self, seq: Sequence) -> int:
         return seq.num_tokens - 1 - self._computed(seq)
@@ -41,16 +42,18 @@ class DraftModelSource:
     def _advance(self, seq: Sequence, num_computed: int) -> None:
         seq.draft_num_computed = num_computed
 
-    def drain_costs(self) -> list[tuple[int, float]]:
+    def drain_costs(self) -> list[tuple[int, float, bool]]:
         times, self._forward_times = self._forward_times, []
         return times
 
     def _timed(self, batch: ForwardBatch, forward: Callable[[ForwardBatch], torch.Tensor]) -> torch.Tensor:
-        """``forward(batch)``, waited for and timed: (fed tokens, seconds) joins the costs drain_costs returns."""
+        """``forward(batch)``, waited for and timed: (fed tokens, seconds, whether a sequence fed a long query) joins
+        the costs drain_costs returns."""
         t0 = time.perf_counter()
         logits = forward(batch)
         self.runner.synchronize()
-        self._forward_times.append((sum(len(t) for t in batch.token_ids), time.perf_counter() - t0))
+        fed = [len(t) for t in batch.token_ids]
+        self._forward_times.append((sum(fed), time.perf_counter() - t0, max(fed) > SHORT_QUERY))
         return logits
 
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:

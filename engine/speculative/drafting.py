@@ -71,6 +71,8 @@ class Drafting:
         for source in self.lookups:
             if isinstance(source, SuffixSource):
                 source.release(seq)
+        if self.controller is not None:  # and how long requests run
+            self.controller.finished(seq.num_output_tokens)
 
     def suffix_cache_nodes(self) -> int:
         """Nodes of suffix decoding's global index (0 without it): its memory, at about 65 bytes a node."""
@@ -186,17 +188,14 @@ class Drafting:
                 asked[d.source][0].append(DraftRequest(s.seq, own, s.num_catch_up))
                 asked[d.source][1].append(i)
         proposals = []  # (rows, proposal) of each drafter asked
+        modelled = [0] * len(tokens)  # leading drafts with a real q
         for drafter in self.drafters:
             requests, at = asked[drafter.name]
             if requests:
                 proposal = drafter.propose(requests)
                 proposals.append((at, proposal))
                 for i, t in zip(at, proposal.tokens):
-                    tokens[i] = t
-        modelled = [0] * len(tokens)  # leading drafts with a real q
-        for at, _ in proposals:
-            for i in at:
-                modelled[i] = len(tokens[i])
+                    tokens[i], modelled[i] = t, len(t)
         tokens = with_forced(scheduled, grammatical(scheduled, tokens))
         with_q = [(at, p.probs) for at, p in proposals if p.probs is not None]
         if not with_q:
@@ -252,11 +251,11 @@ class Drafting:
         forward_seconds, self.num_forwards = 0.0, 0
         c = self.controller
         for drafter in self.drafters:
-            for n, secs in drafter.drain_costs():  # drained every step, controller or not
+            for n, secs, long in drafter.drain_costs():  # drained every step, controller or not
                 forward_seconds += secs
                 self.num_forwards += 1
                 if c is not None:
-                    c.cost.drafters[drafter.name].observe(n, secs)
+                    (c.cost.catch_ups if long else c.cost.drafters)[drafter.name].observe(n, secs)
         if c is None:
             return
         if all(s.num_new_tokens == 1 for s in scheduled):

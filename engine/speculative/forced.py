@@ -23,7 +23,7 @@ class ForcedSource:
             probs=None,
         )
 
-    def drain_costs(self) -> list[tuple[int, float]]:
+    def drain_costs(self) -> list[tuple[int, float, bool]]:
         return []
 
 

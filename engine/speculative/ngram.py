@@ -92,5 +92,5 @@ class LookupSource:
             d.ngram = NgramIndex(self.n_max, self.n_min)
         return d.ngram
 
-    def drain_costs(self) -> list[tuple[int, float]]:
+    def drain_costs(self) -> list[tuple[int, float, bool]]:
         return []

@@ -41,6 +41,7 @@ class DraftSource(Protocol):
 
     def propose(self, requests: list[DraftRequest]) -> Proposal: ...
 
-    def drain_costs(self) -> list[tuple[int, float]]:
-        """(tokens, seconds) of each forward the source ran since the last call."""
+    def drain_costs(self) -> list[tuple[int, float, bool]]:
+        """(tokens, seconds, long) of each forward the source ran since the last call; long: some sequence fed more
+        than a short query's tokens (engine.layers.attention_metadata.SHORT_QUERY), which runs eagerly."""
         ...

@@ -231,11 +231,14 @@ class StepCostModel:
     """What a step's parts cost: the target (forward and verification), one forward of each model drafter
     (a + b * tokens fed), asking the lookups (by sequences asked), and what else a speculative step spends on the
     host beyond a plain step's (proposing, bookkeeping, verifying and appending more tokens; by sequences that
-    speculate)."""
+    speculate). A drafter's forwards that feed a sequence more than a short query's tokens (a catch-up past the
+    compiled layouts: the prompt, a long stretch sat out) are fitted apart, in ``catch_ups``: they run eagerly,
+    at several times a compiled forward's cost a token, and one line through both regimes prices neither."""
 
     def __init__(self, drafters: Iterable[str]) -> None:
         self.target = TargetCost()
         self.drafters = {name: LinearCost() for name in drafters}
+        self.catch_ups = {name: LinearCost() for name in self.drafters}
         self.lookup = LinearCost()
         self.host = HostCost()
         self.host_plain = LinearCost()  # a plain step's host work by sequences: what ``host`` is measured above
@@ -246,6 +249,8 @@ class StepCostModel:
         for name, fit in self.drafters.items():
             a, b = fit.coefficients()
             out[f"{name}_per_forward"], out[f"{name}_per_token"] = a, b
+            a, b = self.catch_ups[name].coefficients()
+            out[f"{name}_catch_up_per_forward"], out[f"{name}_catch_up_per_token"] = a, b
         a, b = self.lookup.coefficients()
         out["lookup_per_step"], out["lookup_per_sequence"] = a, b
         a, by_source = self.host.coefficients()

@@ -84,7 +84,7 @@ class SuffixSource:
     def lag(self, seq: Sequence) -> int:
         return 0
 
-    def drain_costs(self) -> list[tuple[int, float]]:
+    def drain_costs(self) -> list[tuple[int, float, bool]]:
         return []
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:

@@ -70,9 +70,36 @@ def test_a_long_catch_up_is_priced_into_the_plan():
     seqs[0].draft.track("ngram").proposes = 0.0
     on = np.ones(1, dtype=bool)
     assert c.before_lookups(seqs, on, {"draft_model": np.zeros(1)}).speculates
-    assert not c.before_lookups(seqs, on, {"draft_model": np.array([5000])}).speculates, (
-        "5000 tokens of catch-up (0.25 s of draft forward) outweigh a few drafts"
+    assert not c.before_lookups(seqs, on, {"draft_model": np.array([20000])}).speculates, (
+        "20000 tokens of catch-up (1 s of draft forward: 100 plain steps) outweigh what drafting saves a request "
+        "of 64 tokens"
     )
+
+
+def test_a_long_catch_up_is_spread_over_what_the_request_has_left_and_a_short_one_is_paid_whole():
+    """An eager catch-up past a short query (the prompt, a long stretch sat out) is paid once, and the request
+    drafts from a current cache for the rest of its tokens: priced at its share of the drafting steps left, by the
+    drafter's eager forwards (10 ms + 0.1 ms a token here: 40 ms for 300 tokens, four plain steps), it pays with 64
+    tokens to go and not with 2, nor once requests are seen to end after 4. A short catch-up is priced whole at the
+    compiled forwards' rate."""
+    c = controller(2e-5)
+    for n in (100, 400):
+        c.cost.catch_ups["draft_model"].observe(n, 0.010 + 1e-4 * n)
+    on, lag = np.ones(1, dtype=bool), {"draft_model": np.array([300])}
+
+    def plan(left: int, lags: dict[str, np.ndarray] = lag) -> bool:
+        seqs = batch(1)
+        seqs[0].token_ids += [7] * (64 - left)  # output tokens so far, of max_tokens 64
+        seqs[0].num_computed = seqs[0].num_tokens - 1
+        seqs[0].draft.track("ngram").proposes = 0.0
+        return c.before_lookups(seqs, on, lags).speculates
+
+    assert plan(64), "40 ms spread over the ~23 drafting steps of 64 tokens"
+    assert not plan(2), "40 ms for the 1 step of 2 tokens left"
+    assert plan(2, {"draft_model": np.array([30])}), "30 tokens of compiled catch-up cost 1.5 ms"
+    for _ in range(50):
+        c.finished(4)
+    assert not plan(64), "requests end after 4 tokens: 64 are not to be expected"
 
 
 def test_a_lookup_is_priced_at_its_own_host_work_not_at_the_draft_models():

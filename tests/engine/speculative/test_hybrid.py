@@ -7,6 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.llm_engine import LLMEngine
+from engine.layers.attention_metadata import SHORT_QUERY
 from engine.speculative.step_cost import LinearCost, TargetCost
 from engine.types.config import EngineConfig
 from engine.types.draft_state import SourceTrack
@@ -152,3 +153,21 @@ def test_a_drafter_sitting_out_plain_steps_has_faded_once_per_step_when_the_cont
     assert len({n for n, _ in seen}) >= 3, seen  # planned again several times, after plain steps
     for n, hits in seen:
         assert hits == pytest.approx(8.0 * FADE**n, rel=1e-9), (n, hits)
+
+
+def test_a_draft_forward_past_a_short_query_is_fitted_apart_from_the_compiled_ones(model_sets):
+    """The first draft of a 48-token prompt catches the draft model up on all of it: one eager forward, fitted as a
+    catch-up (``cost.catch_ups``), while the one-token forwards after it keep the drafter's own fit."""
+    engine = engine_for(model_sets["llama"], None)
+    c = engine.controller
+    fed: dict[str, list[int]] = {"drafters": [], "catch_ups": []}
+    for fits in fed:
+        fit = getattr(c.cost, fits)["draft_model"]
+        observe = fit.observe
+        fit.observe = lambda n, seconds, _observe=observe, _fits=fits: (fed[_fits].append(n), _observe(n, seconds))
+    prompt = list(range(11, 11 + 48))  # nothing recurs: the lookups have nothing, the (cheap) draft model drafts
+    engine.add_request("p", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert fed["catch_ups"] and min(fed["catch_ups"]) > SHORT_QUERY, fed
+    assert fed["drafters"] and max(fed["drafters"]) <= SHORT_QUERY, fed
