@@ -79,6 +79,9 @@ class GoodputController:
         self._drafts = 0  # drafts the last speculating plan fed: where the target's cost is linearised next
         self._turn = False
         self._typical: float | None = None  # output tokens of the recent finished requests (moving average)
+        # Per model drafter: the share of the sequences it could draft for from a current cache (lag within a short
+        # query) that plans gave it, recently (a moving average over planned steps; half until seen).
+        self._use = dict.fromkeys(drafters, 0.5)
         self.decision = Decision()
 
     def before_lookups(self, seqs: list[Sequence], adaptive: np.ndarray, lags: dict[str, np.ndarray]) -> Plan:
@@ -151,6 +154,14 @@ class GoodputController:
             logger.debug("goodput: %s, %d drafts over %d sequences, predicted %.3fx, plain step %.3f ms", mode,
                          self.decision.planned_drafts, len(plan.choices), plan.speedup, 1e3 * plan.plain_seconds)
 
+    def observe_use(self, plan: Plan, adaptive: np.ndarray, lags: dict[str, np.ndarray]) -> None:
+        """Which of the sequences each model drafter could draft for without a long catch-up ``plan`` gave it."""
+        for name in self.drafters:
+            could = adaptive & (lags[name] < SHORT_QUERY)  # [S]
+            if could.any():
+                chosen = np.array([src == name and k > 0 for src, k in plan.choices])  # [S]
+                self._use[name] = 0.9 * self._use[name] + 0.1 * float(chosen[could].mean())
+
     def observe_planning(self, num_seqs: int, seconds: float) -> None:
         """The host time a plan for ``num_seqs`` sequences took that left the step plain without asking the
         lookups (a probe's asks are priced by ``cost.lookup``)."""
@@ -196,11 +207,14 @@ class GoodputController:
 
     def _long_catch_ups(self, block: Block, seqs: list[Sequence], lag: np.ndarray) -> Block:
         """``block`` with each long catch-up (``lag`` [S] past a short query: an eager forward) priced by the
-        drafter's eager forwards and spread over the drafting steps its request has left. It is paid once, and
-        every later step of the request drafts from a current cache; priced whole at one step, it never paid: a
-        request's first draft catches up on its whole prompt, and while the drafter sat out its lag only grew. On
-        code prompts at batch 1 the draft model alone then ran at 1.05x no speculation, 1.55x with its catch-ups
-        spread, and the default at 1.82x and 2.39x (embedded pair, 2 CPU cores, 5 rounds of compare.py)."""
+        drafter's eager forwards and spread over the steps its request has left that the drafter will draft in (at
+        the share of caught-up sequences plans give it: ``observe_use``). It is paid once, and every later step of
+        the request can draft from a current cache; priced whole at one step, it never paid: a request's first
+        draft catches up on its whole prompt, and while the drafter sat out its lag only grew. On code prompts at
+        batch 1 the draft model alone then ran at 1.05x no speculation, 1.55x with its catch-ups spread over every
+        step left, and the default at 1.82x and 2.39x (embedded pair, 2 CPU cores, 5 rounds:
+        benchmarks/results/catch_up_spread.json). Under load, where a caught-up sequence is seldom given the
+        drafter, that share keeps the catch-ups it would waste priced near whole."""
         name = block.source
         short = self.cost.drafters[name]
         a, b = (self.cost.catch_ups[name] if self.cost.catch_ups[name].ready else short).coefficients()
@@ -211,7 +225,8 @@ class GoodputController:
         # ended earlier), however far it has run: it may end at any step.
         typical = np.inf if self._typical is None else self._typical
         left = np.array([min(s.params.max_tokens - s.num_output_tokens, typical) for s in seqs])
-        price = np.where(lag >= SHORT_QUERY, eager / np.maximum(1.0, left / per_step), 0.0)  # [S]
+        steps = self._use[name] * left / per_step  # [S]: the drafting steps the catch-up serves
+        price = np.where(lag >= SHORT_QUERY, eager / np.maximum(1.0, steps), 0.0)  # [S]
         return replace(block, fixed=block.fixed + block.chance * price)
 
     def finished(self, num_output_tokens: int) -> None:

@@ -138,6 +138,7 @@ class Drafting:
             c.cost.lookup.observe(len(asking), self._lookup_seconds)
             plan = c.with_proposals(seqs, on, lags)
         c.decide(plan, asked)
+        c.observe_use(plan, on, lags)
         if not plan.speculates and not asked:  # a speculating step's planning is priced with its other host work
             c.observe_planning(len(seqs), time.perf_counter() - t_plan)
         for i, (seq, (name, k)) in enumerate(zip(seqs, plan.choices)):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engine.speculative.controller import GoodputController
+from engine.speculative.goodput import Plan
 from engine.speculative.step_cost import HostCost
 from engine.types.draft_state import SourceTrack
 from engine.types.sampling_params import SamplingParams
@@ -76,30 +77,47 @@ def test_a_long_catch_up_is_priced_into_the_plan():
     )
 
 
-def test_a_long_catch_up_is_spread_over_what_the_request_has_left_and_a_short_one_is_paid_whole():
-    """An eager catch-up past a short query (the prompt, a long stretch sat out) is paid once, and the request
-    drafts from a current cache for the rest of its tokens: priced at its share of the drafting steps left, by the
-    drafter's eager forwards (10 ms + 0.1 ms a token here: 40 ms for 300 tokens, four plain steps), it pays with 64
-    tokens to go and not with 2, nor once requests are seen to end after 4. A short catch-up is priced whole at the
-    compiled forwards' rate."""
+def eager_catch_ups() -> GoodputController:
+    """``controller(2e-5)`` whose draft model's eager catch-ups cost 10 ms + 0.1 ms a token: 40 ms for 300 tokens,
+    four plain steps."""
     c = controller(2e-5)
     for n in (100, 400):
         c.cost.catch_ups["draft_model"].observe(n, 0.010 + 1e-4 * n)
-    on, lag = np.ones(1, dtype=bool), {"draft_model": np.array([300])}
+    return c
 
-    def plan(left: int, lags: dict[str, np.ndarray] = lag) -> bool:
-        seqs = batch(1)
-        seqs[0].token_ids += [7] * (64 - left)  # output tokens so far, of max_tokens 64
-        seqs[0].num_computed = seqs[0].num_tokens - 1
-        seqs[0].draft.track("ngram").proposes = 0.0
-        return c.before_lookups(seqs, on, lags).speculates
 
-    assert plan(64), "40 ms spread over the ~23 drafting steps of 64 tokens"
-    assert not plan(2), "40 ms for the 1 step of 2 tokens left"
-    assert plan(2, {"draft_model": np.array([30])}), "30 tokens of compiled catch-up cost 1.5 ms"
+def speculates(c: GoodputController, left: int, lag: int = 300) -> bool:
+    """Whether one sequence with ``left`` of its max_tokens 64 to go and ``lag`` tokens of catch-up drafts."""
+    seqs = batch(1)
+    seqs[0].token_ids += [7] * (64 - left)  # output tokens so far
+    seqs[0].num_computed = seqs[0].num_tokens - 1
+    seqs[0].draft.track("ngram").proposes = 0.0
+    return c.before_lookups(seqs, np.ones(1, dtype=bool), {"draft_model": np.array([lag])}).speculates
+
+
+def test_a_long_catch_up_is_spread_over_what_the_request_has_left_and_a_short_one_is_paid_whole():
+    """An eager catch-up past a short query (the prompt, a long stretch sat out) is paid once, and the request
+    drafts from a current cache for the rest of its tokens: priced at its share of the drafting steps left, by the
+    drafter's eager forwards, it pays with 64 tokens to go and not with 2, nor once requests are seen to end after 4.
+    A short catch-up is priced whole at the compiled forwards' rate."""
+    c = eager_catch_ups()
+    assert speculates(c, 64), "40 ms spread over the drafting steps of 64 tokens"
+    assert not speculates(c, 2), "40 ms for the 1 step of 2 tokens left"
+    assert speculates(c, 2, lag=30), "30 tokens of compiled catch-up cost 1.5 ms"
     for _ in range(50):
         c.finished(4)
-    assert not plan(64), "requests end after 4 tokens: 64 are not to be expected"
+    assert not speculates(c, 64), "requests end after 4 tokens: 64 are not to be expected"
+
+
+def test_a_long_catch_up_stays_priced_near_whole_where_plans_seldom_give_the_drafter_a_caught_up_sequence():
+    """Under load a caught-up sequence may be given the drafter one step in fifty: a catch-up serves that share of
+    the steps left, and is worth paying for only as such."""
+    c = eager_catch_ups()
+    assert speculates(c, 64)
+    others = Plan(((None, 0),) * 8, 8.0, 0.01, 0.01)  # eight caught-up sequences, none given the drafter
+    for _ in range(60):
+        c.observe_use(others, np.ones(8, dtype=bool), {"draft_model": np.zeros(8)})
+    assert not speculates(c, 64)
 
 
 def test_a_lookup_is_priced_at_its_own_host_work_not_at_the_draft_models():
