@@ -132,7 +132,8 @@ def test_parameters_name_every_term():
         "target_decode_1_tokens", "target_decode_2_tokens", "target_verify_1_tokens", "target_verify_2_tokens",
         "target_per_token_per_1k_context",
         "draft_model_per_forward", "draft_model_per_token", "draft_model_catch_up_per_forward",
-        "draft_model_catch_up_per_token", "lookup_per_step", "lookup_per_sequence", "host_per_step", "host_per_sequence",
+        "draft_model_catch_up_per_token", "lookup_per_step", "lookup_per_sequence",
+        "host_per_step", "host_per_sequence",
     }
     model.host.observe({"suffix": 2}, 1e-4)
     assert "host_per_sequence_suffix" in model.parameters()
