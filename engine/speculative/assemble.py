@@ -51,6 +51,6 @@ def make_drafting(config: EngineConfig, target: ModelRunner, draft: ModelRunner 
     # A profile timed on eager forwards has their shape, not the compiled ones' (the embedded target: 8.2 ms for
     # one token's decode and 100 ms for 576 tokens eagerly, 2.9 and 86 ms compiled), and online correction moves
     # one scale and the sizes the steps happen to feed: re-timed once the compiled forwards serve.
-    drafting.reprofile = lambda first, end: profile(num_blocks=end, first_block=first, seed_host=False,
+    drafting.reprofile = lambda first, end: profile(num_blocks=end, first_block=first,
                                                     when="once the compiled forwards took over")
     return drafting

@@ -9,7 +9,7 @@ import time
 
 from engine.speculative.controller import GoodputController
 from engine.speculative.eagle import EagleRunner
-from engine.speculative.step_cost import LinearCost
+from engine.speculative.step_cost import HostCost, LinearCost
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.model_runner import ModelRunner
 
@@ -76,12 +76,11 @@ def profile_blocks(k_max: int, block_size: int, max_tokens: int, max_seqs: int) 
 
 def calibrate(controller: GoodputController, target: ModelRunner, drafters: dict[str, ModelRunner | EagleRunner | None],
               block_size: int, max_tokens: int, num_blocks: int, max_seqs: int, first_block: int = 0,
-              when: str = "at start-up", seed_host: bool = True) -> None:
+              when: str = "at start-up") -> None:
     """Profiles the target's forwards and each model drafter's into the step-cost model; writes into blocks
     ``first_block`` to ``num_blocks``, which nobody may own (their contents are garbage-by-design). ``drafters``:
     the runner behind each model drafter's forwards, by source name; ``max_tokens``: the most a step feeds.
-    ``seed_host``: seed the host terms with a prior (the first profile); a later one (``when``: the compiled
-    forwards took over) re-times the forwards alone, and the host terms keep what the steps taught them."""
+    ``when``: for the log (a later profile: the compiled forwards took over)."""
     k_max = controller.k_max
     verify = k_max + 1
     blocks = num_blocks - first_block
@@ -116,9 +115,17 @@ def calibrate(controller: GoodputController, target: ModelRunner, drafters: dict
         fit = controller.cost.drafters[name] = LinearCost()  # the forward in use now, not the one before
         for n, t in zip(sizes, timed):
             fit.observe(n, t)
-    if seed_host:
-        for fit in (controller.cost.lookup, controller.cost.host.pooled, controller.cost.host_plain):
-            fit.observe(1, HOST_PRIOR_SECONDS)
-            fit.observe(8, 8 * HOST_PRIOR_SECONDS)
+    # The host terms start again from the prior with every profile, as the forwards' do: what the eager steps taught
+    # them was measured beside the compile child. What a speculating step adds (``host``) is only measured where a
+    # plan speculates, so a price learned too high is never corrected: a first start on a CPU with no shipped
+    # graphs served eagerly for 10 minutes, learned 4.2 ms a speculating step (0.98 ms a draft model's sequence)
+    # and 0.2-0.9 ms an ask of the lookups, and speculated in none of the compiled steps after: 0.99x no speculation
+    # on code at batch 1, where the same server loading its graphs at start ran 1.85x, and a first start restarting
+    # them 2.01x (benchmarks/results/host_terms_trap_avx512.json, first_start_avx512.json).
+    cost = controller.cost
+    cost.host, cost.host_plain, cost.lookup = HostCost(), LinearCost(), LinearCost()
+    for fit in (cost.lookup, cost.host.pooled, cost.host_plain):
+        fit.observe(1, HOST_PRIOR_SECONDS)
+        fit.observe(8, 8 * HOST_PRIOR_SECONDS)
     logger.info("goodput controller: step cost model %s %s", when,
                 ", ".join(f"{k} {1e3 * v:.3f} ms" for k, v in controller.cost.parameters().items()))

@@ -81,19 +81,25 @@ def test_a_size_that_really_costs_more_keeps_its_price(monkeypatch):
     assert target(2, 0.0, True) == pytest.approx(FakeRunner.cost(2) + 0.05, rel=0.02)
 
 
-def test_a_later_profile_writes_only_into_the_blocks_it_is_given_and_keeps_the_host_terms(monkeypatch):
+def test_a_later_profile_writes_only_into_the_blocks_it_is_given_and_starts_the_host_terms_again(monkeypatch):
     """Once the compiled forwards serve, the profile is taken again in the background compile's own blocks
     (sequences own the rest): every table stays inside them, the target and drafter terms are the new forwards',
-    and the host terms keep what the steps taught them rather than a start-up prior."""
+    and the host terms start again from the prior: what the eager steps taught a speculating step to cost is
+    only corrected by speculating, and priced too high it never is."""
     clock = Clock()
     monkeypatch.setattr(calibration, "time", clock)
     controller = GoodputController(K_MAX, ["draft_model"], ["ngram"])
     slow, fast = FakeRunner(clock, lambda call, tokens: 0.0), FakeRunner(clock, lambda call, tokens: 0.0)
     calibration.calibrate(controller, slow, {"draft_model": slow}, block_size=16, max_tokens=2048, num_blocks=4096,
                           max_seqs=64)
-    for n in (1, 8):  # what the steps taught: dearer than the prior
-        controller.cost.host.pooled.observe(n, 1e-3 * n)
-    host = controller.cost.parameters()["host_per_sequence"]
+    prior = controller.cost.parameters()
+    for _ in range(50):  # what the eager steps taught: far dearer than the prior
+        controller.cost.host.observe({"draft_model": 1}, 5e-3)
+        controller.cost.host_plain.observe(1, 2e-3)
+        controller.cost.lookup.observe(4, 4e-3)
+    taught = controller.cost.parameters()
+    assert taught["host_per_step"] + taught["host_per_sequence_draft_model"] > 4e-3
+    assert taught["lookup_per_step"] + 4 * taught["lookup_per_sequence"] > 3e-3
 
     tables: list[int] = []
     fast.cost = lambda tokens: 0.001 + 1e-5 * tokens  # type: ignore[method-assign]
@@ -106,10 +112,13 @@ def test_a_later_profile_writes_only_into_the_blocks_it_is_given_and_keeps_the_h
     fast.forward = recording  # type: ignore[method-assign]
     first, end = 4000, 4000 + calibration.profile_blocks(K_MAX, 16, 2048, 64)
     calibration.calibrate(controller, fast, {"draft_model": fast}, block_size=16, max_tokens=2048, num_blocks=end,
-                          max_seqs=64, first_block=first, seed_host=False)
+                          max_seqs=64, first_block=first)
     assert tables and min(tables) >= first and max(tables) < end
     params = controller.cost.parameters()
     assert params["target_decode_1_tokens"] == pytest.approx(fast.cost(1), rel=0.02)
     assert params["target_verify_576_tokens"] == pytest.approx(fast.cost(576), rel=0.02), "the largest verify fits"
     assert params["draft_model_per_forward"] == pytest.approx(0.001, rel=0.05), "the old forwards' fit is gone"
-    assert params["host_per_sequence"] == host
+    for term in ("host_per_step", "host_per_sequence", "lookup_per_step", "lookup_per_sequence"):
+        assert params[term] == pytest.approx(prior[term]), term
+    assert "host_per_sequence_draft_model" not in params, "no source's own fit survives"
+    assert controller.cost.host_plain(1) == pytest.approx(calibration.HOST_PRIOR_SECONDS)
