@@ -113,6 +113,9 @@ def calibrate(controller: GoodputController, target: ModelRunner, drafters: dict
         timed = _timed(runner, [ForwardBatch([[0] * n], [short], [table[: -(-(short + n) // block_size)]], [1])
                                 for n in sizes])
         fit = controller.cost.drafters[name] = LinearCost()  # the forward in use now, not the one before
+        # Its eager catch-ups are only timed when one runs, like the host terms below: the eager phase's (12.5 ms a
+        # forward beside the compile child) go, and until one is timed they are priced at the compiled forwards'.
+        controller.cost.catch_ups[name] = LinearCost()
         for n, t in zip(sizes, timed):
             fit.observe(n, t)
     # The host terms start again from the prior with every profile, as the forwards' do: what the eager steps taught

@@ -84,8 +84,8 @@ def test_a_size_that_really_costs_more_keeps_its_price(monkeypatch):
 def test_a_later_profile_writes_only_into_the_blocks_it_is_given_and_starts_the_host_terms_again(monkeypatch):
     """Once the compiled forwards serve, the profile is taken again in the background compile's own blocks
     (sequences own the rest): every table stays inside them, the target and drafter terms are the new forwards',
-    and the host terms start again from the prior: what the eager steps taught a speculating step to cost is
-    only corrected by speculating, and priced too high it never is."""
+    and the host terms (and a drafter's catch-ups) start again from the prior: what the eager steps taught a
+    speculating step to cost is only corrected by speculating, and priced too high it never is."""
     clock = Clock()
     monkeypatch.setattr(calibration, "time", clock)
     controller = GoodputController(K_MAX, ["draft_model"], ["ngram"])
@@ -97,6 +97,8 @@ def test_a_later_profile_writes_only_into_the_blocks_it_is_given_and_starts_the_
         controller.cost.host.observe({"draft_model": 1}, 5e-3)
         controller.cost.host_plain.observe(1, 2e-3)
         controller.cost.lookup.observe(4, 4e-3)
+        controller.cost.catch_ups["draft_model"].observe(128, 2e-2)
+        controller.cost.catch_ups["draft_model"].observe(64, 1.5e-2)
     taught = controller.cost.parameters()
     assert taught["host_per_step"] + taught["host_per_sequence_draft_model"] > 4e-3
     assert taught["lookup_per_step"] + 4 * taught["lookup_per_sequence"] > 3e-3
@@ -118,6 +120,7 @@ def test_a_later_profile_writes_only_into_the_blocks_it_is_given_and_starts_the_
     assert params["target_decode_1_tokens"] == pytest.approx(fast.cost(1), rel=0.02)
     assert params["target_verify_576_tokens"] == pytest.approx(fast.cost(576), rel=0.02), "the largest verify fits"
     assert params["draft_model_per_forward"] == pytest.approx(0.001, rel=0.05), "the old forwards' fit is gone"
+    assert not controller.cost.catch_ups["draft_model"].ready, "the eager catch-ups are timed again"
     for term in ("host_per_step", "host_per_sequence", "lookup_per_step", "lookup_per_sequence"):
         assert params[term] == pytest.approx(prior[term]), term
     assert "host_per_sequence_draft_model" not in params, "no source's own fit survives"
