@@ -79,7 +79,12 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="specd-engine", daemon=True)
+        self.engine.between_steps.wake = self._wake  # a job handed to the engine by another thread
         self._thread.start()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
 
     @property
     def is_running(self) -> bool:
@@ -178,7 +183,7 @@ class AsyncEngine:
             while True:
                 with self._cond:
                     # Sleep while there is nothing to do: no busy loop when idle.
-                    while not (self._adds or self._aborts or self._stopping or engine.has_unfinished()):
+                    while not (self._adds or self._aborts or self._stopping or engine.has_work):
                         self._cond.wait()
                     if self._stopping:
                         break
@@ -203,7 +208,7 @@ class AsyncEngine:
                     usage = engine.block_manager.usage
                     for o in self._observers:
                         o.observe_aborts(num_aborted, engine.num_running, engine.num_waiting, usage)
-                if not engine.has_unfinished():
+                if not engine.has_work:
                     continue
                 started = time.monotonic()
                 outputs = engine.step()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -106,3 +107,27 @@ def test_queue_limit_counts_requests_not_yet_running(engine, monkeypatch):
 
 async def _collect(handle) -> list:
     return [o async for o in handle.outputs()]
+
+
+def test_a_job_handed_to_an_idle_engine_wakes_its_worker_and_runs_on_it_between_steps(engine):
+    """The goodput controller's profile once the compiled forwards serve is such a job: handed over by the compile's
+    thread, it must run on the worker, with no step beside it, even where no request comes to wake the worker."""
+    ran: list[tuple[str, str]] = []
+
+    async def scenario():
+        ae = AsyncEngine(engine, max_queue=4)
+        ae.start()
+        await asyncio.sleep(0.1)
+        threading.Thread(target=engine.between_steps.add,
+                         args=(lambda: ran.append((threading.current_thread().name, engine.compile_state)),)).start()
+        for _ in range(100):
+            if ran:
+                break
+            await asyncio.sleep(0.02)
+        assert ran == [("specd-engine", "compiling")], "run by the worker, reported as still compiling meanwhile"
+        assert not engine.between_steps.pending and engine.compile_state == "off"
+        outs = [o async for o in ae.submit([request("a", 3)]).outputs()]
+        assert outs[-1].finish_reason == "length", "the engine serves on"
+        await ae.shutdown(timeout=1)
+
+    asyncio.run(scenario())

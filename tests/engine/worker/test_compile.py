@@ -8,6 +8,7 @@ import logging
 import random
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -389,7 +390,8 @@ def test_the_adaptive_calibration_times_compiled_forwards_once_they_serve(compil
         served += 1
         time.sleep(0.5)
     assert engine.background_compile.join(timeout=600)
-    assert "step cost model once the compiled forwards took over" in caplog.text
+    took_over = [r for r in caplog.records if "step cost model once the compiled forwards took over" in r.getMessage()]
+    assert [r.threadName for r in took_over] == [threading.current_thread().name], "timed between steps, by the stepper"
     assert "the model is loaded twice in this process; its packed layers are shared" in caplog.text
     assert "compile process" not in caplog.text, "compiled again"
     runs = calibration._runs(config.k_max, config.block_size, config.max_num_batched_tokens, reserved,
