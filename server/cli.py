@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -123,7 +124,13 @@ def serve(config: ServerConfig) -> int:
         for server in servers:
             server.should_exit = True
 
-    app = create_app(config, on_fatal=on_fatal)
+    from engine import LLMEngine
+
+    # This process serves one engine for its life: what exists once it is built is frozen (engine.core.heap).
+    def factory() -> LLMEngine:
+        return LLMEngine(dataclasses.replace(config.engine_config(), freeze_heap=True))
+
+    app = create_app(config, engine_factory=factory, on_fatal=on_fatal)
     uv_config = uvicorn.Config(
         app,
         host=config.host,

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import torch
 
+from engine.core import heap
 from engine.core.audit import Auditor, is_audit
 from engine.core.between_steps import BetweenSteps
 from engine.core.loader import load
@@ -80,6 +81,10 @@ class LLMEngine:
         if loaded.background is not None and self.drafting is not None and self.drafting.reprofile is not None:
             redo, first, end = self.drafting.reprofile, loaded.num_blocks, self.target.cache.num_blocks
             loaded.background.then(lambda: self.between_steps.add(lambda: redo(first, end)))
+        if config.freeze_heap:
+            heap.settle()
+            if loaded.background is not None:
+                loaded.background.then(lambda: self.between_steps.add(heap.settle))  # the graphs it loaded
         self.background_compile = loaded.background.start() if loaded.background is not None else None
 
     @property

@@ -94,6 +94,9 @@ class EngineConfig:
     # How a bucketed forward's attention reads the cache: "flex" through the block table (FlexAttention), "gather"
     # into a padded copy per layer (SDPA), "auto": flex on CUDA, gather on CPU (where it measured faster).
     paged_attention: str = "auto"
+    # Keep what exists once the engine is built (and its background compile's graphs) out of garbage collection
+    # (engine.core.heap): for a process that holds this engine for its life, as the server does.
+    freeze_heap: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_method, str):

@@ -280,3 +280,12 @@ def test_token_healing_is_off_unless_a_flag_a_variable_or_the_yaml_turns_it_on(m
     assert parse_config(["serve", "--config", str(path)]).token_healing is True
     monkeypatch.setenv("SPECD_TOKEN_HEALING", "true")
     assert parse_config(["serve", "--model", "org/m"]).token_healing is True
+
+
+def test_the_served_process_freezes_what_its_engine_is_built_of(tmp_path, model_args):
+    """`serve` holds one engine for the process's life: garbage collection leaves out what it is built of."""
+    proc = Process(tmp_path, model_args)
+    proc.wait_ready()
+    proc.proc.terminate()
+    assert proc.wait_exit() == 0
+    assert re.search(r"froze \d+ objects the engine keeps out of garbage collection", proc.log.read_text())

@@ -13,7 +13,7 @@ from server.options import Spec, specs
 from server.options_docs import DOC, documented, render
 
 # EngineConfig fields the server does not expose: tuning knobs of the library and the tests.
-LIBRARY_ONLY = {"exit_head", "ngram_max", "ngram_min", "block_size", "num_kv_blocks"}
+LIBRARY_ONLY = {"exit_head", "ngram_max", "ngram_min", "block_size", "num_kv_blocks", "freeze_heap"}
 
 
 def sample(spec: Spec) -> tuple[str, object]:
