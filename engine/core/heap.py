@@ -1,7 +1,7 @@
 """The process's heap once the engine is built: every object then (torch's and transformers' modules, the
 tokenizer, the loaded graphs: about 600,000 for the embedded pair) lives as long as the engine, yet Python's
 cyclic collector walked them all at every full collection: 0.3-0.45 s with the GIL held, a stall of every
-request's stream, one or two a minute under load (2 CPU cores). Frozen, they are left out of every collection,
+request's stream, about one a minute under load (2 CPU cores). Frozen, they are left out of every collection,
 and a full one took 6-13 ms."""
 
 from __future__ import annotations
