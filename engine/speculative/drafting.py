@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.speculative.asking import worth_asking
 from engine.speculative.controller import Decision, GoodputController
 from engine.speculative.eagle import EagleSource
 from engine.speculative.forced import FORCED, grammatical, with_forced
@@ -62,8 +63,7 @@ class Drafting:
         self.reprofile: Callable[[int, int], None] | None = None
 
     @property
-    def lookup(self) -> DraftSource | None:
-        """The first lookup source (prompt lookup where it runs)."""
+    def lookup(self) -> DraftSource | None:  # the first lookup source (prompt lookup where it runs)
         return self.lookups[0] if self.lookups else None
 
     def release(self, seq: Sequence) -> None:
@@ -127,7 +127,7 @@ class Drafting:
         plan = None if c.asks_again() else c.before_lookups(seqs, on, lags)
         asked = plan is None or c.wants_lookups(plan)
         if asked or plan is None:
-            asking = [seq for seq, a in zip(seqs, adaptive) if a]
+            asking = worth_asking([seq for seq, a in zip(seqs, adaptive) if a], c.lookups, plan is None)
             self._dirty = True
             t0 = time.perf_counter()
             for lookup in self.lookups:
@@ -136,7 +136,7 @@ class Drafting:
                     seq.draft.proposals[lookup.name] = tokens
             self._lookup_seconds = time.perf_counter() - t0
             c.cost.lookup.observe(len(asking), self._lookup_seconds)
-            plan = c.with_proposals(seqs, on, lags)
+            plan = (c.again(seqs) if plan is None else None) or c.with_proposals(seqs, on, lags)
         c.decide(plan, asked)
         c.observe_use(plan, on, lags)
         if not plan.speculates and not asked:  # a speculating step's planning is priced with its other host work

@@ -29,17 +29,21 @@ class NgramIndex:
     """``lookup`` for one growing token list, kept up to date as tokens are appended: where each n-gram
     that has a successor last began, per n. A lookup is then n_max dictionary probes instead of a
     scan of the whole sequence (at 32 sequences of a few hundred tokens the scan cost more host time
-    per step than a CUDA-graph forward)."""
+    per step than a CUDA-graph forward). A list that shrank, or whose last indexed token changed, is indexed
+    again from scratch; one changed further back is not noticed."""
 
     def __init__(self, n_max: int, n_min: int) -> None:
         self.n_max, self.n_min = n_max, n_min
         self.starts: list[dict[tuple[int, ...], int]] = [{} for _ in range(n_max + 1)]  # by n
-        self.tokens: list[int] = []  # what is indexed: a copy, so that a list that changed is noticed
+        self.tokens: list[int] = []  # what is indexed: a copy (a list cut and regrown is noticed by it)
 
     def _extend(self, tokens: list[int]) -> None:
-        L = len(tokens)
-        if L < len(self.tokens) or tokens[: len(self.tokens)] != self.tokens:
-            self.__init__(self.n_max, self.n_min)  # type: ignore[misc]  # not an extension: start over
+        L, n = len(tokens), len(self.tokens)
+        # Not an extension: start over. A sequence's tokens only ever grow, so the length and the last token
+        # indexed tell: comparing every indexed token took as long as the rest of a lookup (32 sequences of 1000
+        # tokens, 3 new each: 0.5 ms a step, 0.28 ms without).
+        if L < n or (n and tokens[n - 1] != self.tokens[n - 1]):
+            self.__init__(self.n_max, self.n_min)  # type: ignore[misc]
         # An n-gram at i has a successor once the list holds i + n + 1 tokens: index every n-gram ending
         # before the last token (at end - 1, for end in [first, L)), in order, so the latest occurrence wins.
         first = max(len(self.tokens), 1)

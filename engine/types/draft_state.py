@@ -78,6 +78,7 @@ class DraftState:
     ngram: TokenIndex | None = None  # the lookup's index of this request's tokens, built on its first lookup
     suffix: SuffixState | None = None  # the suffix drafter's, built on its first draft
     proposals: dict[str, list[int]] = field(default_factory=dict)  # this step's proposal of each lookup source
+    unasked: int = 0  # speculating steps since the lookups were last asked for it (engine.speculative.asking)
 
     def clear_plan(self) -> None:
         """Forget the last step's plan and proposals (the history in ``tracks`` stays)."""

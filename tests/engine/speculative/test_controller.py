@@ -145,6 +145,30 @@ def test_a_lookup_is_priced_at_its_own_host_work_not_at_the_draft_models():
     assert not unseen.speculates
 
 
+def test_a_speculating_plan_is_taken_again_once_with_each_lookup_cut_to_its_proposal_and_newcomers_plain():
+    c = controller(2e-5)
+    hold(c, "ngram", 0.9, 4, seed=1)
+    seqs, on, lags = batch(5), np.ones(5, dtype=bool), {"draft_model": np.zeros(4)}
+    for s in seqs:
+        s.draft.proposals["ngram"] = [1, 2, 3, 4]
+    assert c.again(seqs) is None, "nothing planned yet"
+    plan = c.with_proposals(seqs[:4], on[:4], lags)
+    c.decide(plan, True)
+    assert plan.speculates and {src for src, k in plan.choices if k} == {"ngram"}
+    seqs[0].draft.proposals["ngram"], seqs[1].draft.proposals["ngram"] = [], [7, 8]
+    joined = [seqs[4], *seqs[1:3]]  # one left, one joined
+    again = c.again(joined)
+    assert again is not None
+    assert again.choices == ((None, 0), ("ngram", min(2, plan.choices[1][1])), plan.choices[2])
+    c.decide(again, True)
+    assert c.again(joined) is None, "taken again once: the next step plans"
+    c.decide(c.with_proposals(seqs[:4], on[:4], lags), True)
+    assert c.again([seqs[0], seqs[4]]) is None, "nothing of the plan left to draft: planned"
+    c.decide(c.with_proposals(seqs[:4], on[:4], lags), True)
+    c.margin = float("inf")
+    assert c.again(seqs[:4]) is None, "a plan that no longer clears the margin is made again"
+
+
 @pytest.mark.parametrize(("proposes", "asked"), [(0.3, True), (0.02, False)])
 def test_a_lookup_is_asked_where_its_expected_drafts_pay(proposes, asked):
     """A target step of 5 ms + 5 ms a token fed, asking the lookup 1 ms, and an n-gram lookup whose drafts hold

@@ -67,7 +67,7 @@ def test_lookup_source_proposes_one_hot_tokens_within_each_request_budget():
 
 def test_the_incremental_index_answers_exactly_as_the_scan():
     """Random token lists over small vocabularies (many repeats), grown a few tokens at a time as a
-    sequence grows, sometimes replaced by a different list: the index's answer is always the scan's."""
+    sequence grows, sometimes cut and given another last token: the index's answer is always the scan's."""
     rng = random.Random(0)
     for _ in range(400):
         vocab = rng.choice([2, 3, 5, 50])
