@@ -117,7 +117,8 @@ def seed(model_dir: str | os.PathLike[str]) -> bool:
         try:
             with tarfile.open(packed) as tar:
                 tar.extractall(staging, filter="data")  # no links out of it, no absolute paths
-        except (tarfile.TarError, OSError) as exc:  # a damaged archive costs a compile, not the server
+        # A damaged archive costs a compile, not the server; one cut short (read while written) raises lzma's EOFError.
+        except (tarfile.TarError, OSError, EOFError) as exc:
             logger.warning("the compile cache shipped in %s could not be unpacked (%s); compiling from scratch",
                            model_dir, exc)
             return False
@@ -135,8 +136,10 @@ def pack(cache: Path, model_dir: Path) -> Path:
     """Writes ``cache`` (a directory a compile filled) and this machine's manifest into ``model_dir``, beside the
     caches other kinds of machine built."""
     packed = archive(model_dir)
-    with tarfile.open(packed, "w:xz") as tar:
+    partial = packed.with_name(packed.name + ".partial")  # whole or not at all, for a server unpacking it meanwhile
+    with tarfile.open(partial, "w:xz") as tar:
         for entry in sorted(cache.iterdir()):
             tar.add(entry, arcname=entry.name)
+    os.replace(partial, packed)
     manifest(packed).write_text(json.dumps(machine(), indent=1) + "\n")
     return packed

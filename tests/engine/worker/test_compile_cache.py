@@ -78,7 +78,7 @@ def test_a_model_without_a_shipped_cache_is_left_alone(tmp_path, inductor_cache)
     assert not compile_cache.seed(tmp_path)
 
 
-@pytest.mark.parametrize("damage", ["a path outside", "not an archive"])
+@pytest.mark.parametrize("damage", ["a path outside", "not an archive", "cut short"])
 def test_an_archive_that_cannot_be_unpacked_safely_costs_a_compile_not_the_server(tmp_path, inductor_cache, caplog,
                                                                                   damage):
     model = tmp_path / "model"
@@ -88,6 +88,12 @@ def test_an_archive_that_cannot_be_unpacked_safely_costs_a_compile_not_the_serve
         outside.write_text("x")
         with tarfile.open(compile_cache.archive(model), "w:xz") as tar:
             tar.add(outside, arcname="../../escaped")
+    elif damage == "cut short":  # read while another process wrote it: lzma's EOFError, not a TarError
+        (tmp_path / "graph").write_bytes(bytes(range(256)) * 4096)
+        with tarfile.open(compile_cache.archive(model), "w:xz") as tar:
+            tar.add(tmp_path / "graph", arcname="graph")
+        whole = compile_cache.archive(model).read_bytes()
+        compile_cache.archive(model).write_bytes(whole[: len(whole) // 2])
     else:
         compile_cache.archive(model).write_bytes(b"truncated")
     compile_cache.manifest(compile_cache.archive(model)).write_text(json.dumps(compile_cache.machine()))
