@@ -2,9 +2,10 @@
 recipe.compile_cache` (or `make compile-cache`). Starts the server as `make serve` does (`--compile background`:
 the compile runs in a child process, engine.worker.precompile) in an empty inductor cache directory of its own,
 with this machine's shipped archive moved aside so that it does not seed itself, waits until /health says
-compiled, stops it and packs that directory beside the target; the archives other kinds of CPU built stay. Rebuild
-it when the forward's code or torch changes (a stale one only stops helping). ~11 minutes on 2 idle AVX-512 cores,
-~16 on AVX2 ones, ~9 on AMX ones.
+compiled, stops it, compiles the prompt layouts there too (``compile_prompt_graphs``) and packs that directory
+beside the target; the archives other kinds of CPU built stay. Rebuild it when the forward's code or torch changes
+(a stale one only stops helping). ~11 minutes on 2 idle AVX-512 cores, ~16 on AVX2 ones, ~9 on AMX ones, and
+6.5 more for the prompt graphs (AVX-512).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def build(target: Path, timeout: float) -> Path:
                 client.close()
                 proc.terminate()
                 proc.wait(timeout=60)
+            compile_prompt_graphs(cache)
             packed = pack_compile_cache(Path(cache), target)
     except BaseException:
         if aside.exists():
@@ -74,6 +76,30 @@ def build(target: Path, timeout: float) -> Path:
     aside.unlink(missing_ok=True)
     logger.info("wrote %s (%.1f MiB)", packed, packed.stat().st_size / 2**20)
     return packed
+
+
+def compile_prompt_graphs(cache: str | None, **options: object) -> None:
+    """Into ``cache`` (None: inductor's own): the prompt graphs (engine.worker.prompt_layouts) of the server
+    ``options`` configure (ServerConfig's fields; none: the default pair), which it loads where it finds them but
+    does not compile itself."""
+    from engine.worker import precompile
+    from engine.worker.model_runner import ModelRunner
+    from server.config import ServerConfig
+
+    if cache is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    server = ServerConfig(**options)
+    config = server.engine_config()
+    runners = []
+    for path in (server.target_path, server.draft_path):
+        if path is not None:
+            runner = ModelRunner.load(path, config.dtype, "cpu", config.trust_remote_code)
+            runner.allocate_cache(1, config.block_size)
+            runners.append(runner)
+    t0 = time.monotonic()
+    logger.info("compiling the prompt layouts of %s", " and ".join(r.name for r in runners))
+    files = precompile.compile_prompts(runners, config.k_max, config.dtype, config.trust_remote_code)
+    logger.info("compiled %s in %.0f s", ", ".join(f.name for f in files), time.monotonic() - t0)
 
 
 def main() -> None:

@@ -120,8 +120,9 @@ class CompiledForward:
         captures it)."""
         return self._compiled
 
-    def __call__(self, compiled: bool, **inputs: Any) -> Any:
-        """``compiled``: the forward is a decode or verify step (short queries only)."""
+    def __call__(self, compiled: bool, prompt: bool = False, **inputs: Any) -> Any:
+        """``compiled``: the forward is a decode or verify step, or a prompt chunk (``prompt``) its loaded graphs
+        may fit (engine.worker.prompt_layouts: one that none fits runs eagerly, not counted in ``uncompiled``)."""
         if compiled and not self.failed and self.warming_in in (None, threading.current_thread()):
             try:
                 if self.precompiled is not None:
@@ -129,6 +130,8 @@ class CompiledForward:
                     if out is not None:
                         self.calls += 1
                         return out
+                    if prompt:
+                        return self.model(**inputs)
                     if not self.uncompiled:
                         logger.info("%s met a layout its precompiled graphs do not fit; such forwards run eagerly "
                                     "(counted in CompiledForward.uncompiled)", self.name)

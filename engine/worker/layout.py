@@ -68,7 +68,7 @@ class HostLayout:
         for i, plan in enumerate(self.long):
             slots, qpos = t[f"long{i}.slots"], t[f"long{i}.positions"]  # [C], [q]
             mask = upload.arange(slots.shape[0])[None, :] <= qpos[:, None]  # [q, C]
-            long.append(LongSeq(plan.rows, plan.fresh, slots, qpos, mask))
+            long.append(LongSeq(t.get(f"long{i}.rows", plan.rows), plan.fresh, slots, qpos, mask))
         return AttentionMetadata(cache, t["slot_mapping"], t["positions"], short, long)
 
 
@@ -108,12 +108,17 @@ def plan_layout(block_tables: list[list[int]], starts: list[int], ends: list[int
         trivial = Q == 1 and min(ends[i] for i in idx) == C
         short = ShortPlan(G, Q, C, trivial, span)
     long = []
+    n_long = B - len(idx)
     for i in range(B):
         if q_lens[i] <= SHORT_QUERY:
             continue
         table = block_tables[i]
         values[f"long{len(long)}.slots"] = ([table[p // bs] * bs + p % bs for p in range(ends[i])], (-1,))
         values[f"long{len(long)}.positions"] = (list(range(starts[i], ends[i])), (-1,))
+        if n_long == 1:
+            # The one prompt chunk a compiled graph takes (engine.worker.prompt_layouts): its rows as an index
+            # tensor, not LongSeq's slice, whose ends a graph holds as constants (one graph per prompt length).
+            values["long0.rows"] = (list(range(first[i], first[i + 1])), (-1,))
         long.append(LongPlan(slice(first[i], first[i + 1]), starts[i] == 0))
     return HostLayout(values, short, long, bs)
 

@@ -2,7 +2,7 @@
 
 Of the ~1,400 guards of a target graph of the embedded pair, ~1,200 read the model's module tree: its hooks
 dicts, attributes, config constants, the type of every module, each parameter's sizes. A graph file is keyed by
-the checkpoint and the code (engine.worker.precompile.key), runs only the one model it was loaded for
+the checkpoint and the code (engine.worker.graph_files.key), runs only the one model it was loaded for
 (aot_graphs.Precompiled), and nothing changes a module after loading (the in-process compile drops these guards
 outright: engine.worker.compiled), so checking them at load answers what checking them every forward would.
 Those left, checked every forward, read the forward's inputs (sizes, attention metadata), the process's global

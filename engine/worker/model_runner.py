@@ -210,7 +210,10 @@ class ModelRunner:
         inputs[attention.METADATA_KWARG] = meta
         try:
             if self.compiled is not None:
-                out = self.compiled(compiled=not meta.long, **inputs)  # decode and verify: short queries only
+                # Decode and verify forwards, and one prompt chunk where its graphs were loaded (prompt_layouts).
+                prompt = bool(meta.long)
+                fits = not prompt or (len(meta.long) == 1 and self.compiled.precompiled is not None)
+                out = self.compiled(compiled=fits, prompt=prompt, **inputs)
             else:
                 out = self.model(**inputs)
         finally:

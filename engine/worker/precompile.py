@@ -4,9 +4,10 @@ Compiled in the serving process, the warm-up traces in Python and holds the inte
 served at a fifth to four fifths of its eager speed for the 3 minutes it took (docs/performance.md#compiling).
 Here a child process at the lowest CPU priority compiles each model's warm-up layouts ahead of time
 (engine.worker.aot_graphs) into files beside inductor's cache, and the server loads them in seconds; a later
-start that finds them current loads them before it answers (``at_start``). A file is named for what does not
-change with a clone (``key``) and checked against the code its graphs traced (``current``), so one built from the
-same checkout anywhere loads here: the embedded pair ships its own in its compile cache
+start that finds them current loads them before it answers (``at_start``), with the prompt graphs beside them
+where their file is there (``add_prompts``; ``compile_prompts`` writes it). A file is named for what does not
+change with a clone (engine.worker.graph_files) and checked against the code its graphs traced (``current``),
+so one built from the same checkout anywhere loads here: the embedded pair ships its own in its compile cache
 (engine.worker.compile_cache).
 
     python -m engine.worker.precompile SPEC.json    # what the server starts (``spawn``)
@@ -17,7 +18,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import hashlib
 import importlib
 import json
 import logging
@@ -31,12 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 from engine.layers import small_linear
 from engine.worker import aot_graphs, kernel_call, model_guards
 from engine.worker.aot_graphs import Entry, Precompiled, compile_runner, stale
-from engine.worker.compile_cache import ENGINE_ROOT, PRECOMPILED, cache_dir, engine_source, machine, tag_caches
+from engine.worker.compile_cache import ENGINE_ROOT, tag_caches
+from engine.worker.graph_files import artifact, key, prompt_artifact  # noqa: F401 (key: where aot_graphs says, unedited)
+from engine.worker.prompt_layouts import prompt_blocks, prompt_layouts
 from engine.worker.warm_up_layouts import warm_up_blocks
 
 logger = logging.getLogger(__name__)
@@ -55,47 +56,8 @@ class Model:
     # A draft model proposes from each sequence's last row: the layouts that return several rows of one sequence
     # (a verify's) never run on it, and cost a quarter of its compile.
     draft: bool = False
-
-
-WEIGHTS = (".safetensors", ".bin", ".pt")
-EDGE = 1 << 20  # bytes read from each end of a weights file
-
-
-def fingerprint(model: str) -> list[Any]:
-    """A checkpoint, the same in any clone or copy of it: its config, and each weights file's size and ends (the
-    weights themselves are the graphs' inputs; they only tell two checkpoints of one config apart)."""
-    model_dir = Path(model)
-    if not model_dir.is_dir():
-        return [model]
-    facts: list[Any] = []
-    for path in sorted(model_dir.iterdir()):
-        if path.name == "config.json":
-            facts.append((path.name, hashlib.sha256(path.read_bytes()).hexdigest()))
-        elif path.suffix in WEIGHTS and path.is_file():
-            size, digest = path.stat().st_size, hashlib.sha256()
-            with path.open("rb") as f:
-                digest.update(f.read(EDGE))
-                f.seek(max(0, size - EDGE))
-                digest.update(f.read(EDGE))
-            facts.append((path.name, size, digest.hexdigest()))
-    return facts
-
-
-def key(runner: Any, k_max: int) -> str:
-    """What a model's graphs depend on besides the code they traced: the libraries, the machine and its thread
-    count, the checkpoint, the layers' ops. Stable across clones: a graph file built elsewhere from the same
-    checkout loads here."""
-    # The thread count too: every graph's guards check it (dynamo's global state), and a file built at another
-    # count loaded and never ran (tests at one thread a worker met graphs a run at two had written).
-    facts = {"engine": engine_source(), "torch": torch.__version__, "transformers": transformers.__version__,
-             **machine(), "threads": torch.get_num_threads(), "model": fingerprint(runner.name),
-             "dtype": str(runner.dtype).removeprefix("torch."),
-             "k_max": k_max, "block_size": runner.cache.block_size}
-    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def artifact(runner: Any, k_max: int) -> Path:
-    return cache_dir() / PRECOMPILED / f"{key(runner, k_max)}.bin"
+    prompts: bool = False  # the prompt layouts (engine.worker.prompt_layouts) instead of the decode ones
+    keys: str = ""  # the name its packed layers are keyed by ("": the file's): a prompt file's decode file's
 
 
 def _dense(packed: torch.Tensor) -> torch.Tensor:
@@ -113,7 +75,7 @@ def _rekey(model: torch.nn.Module, name: str) -> str:
               if getattr(m, "packed_key", None) is not None]
     # The registry holds each key's packed weight weakly, for as long as a live layer owns it. Read here, not in
     # small_linear, whose text keys the graph files (a change there would leave the shipped ones stale).
-    owned = [(small_linear._PACKED.get(key), m) for key, m in layers]
+    owned = [(small_linear._PACKED.get(k), m) for k, m in layers]
     if any(live is not None and not torch.equal(_dense(live), _dense(m.packed)) for live, m in owned):
         return "refused"
     for live, m in owned:
@@ -122,9 +84,10 @@ def _rekey(model: torch.nn.Module, name: str) -> str:
     return "shared" if small_linear.rekey(model, name) else "refused"
 
 
-def load(runner: Any, path: Path) -> Precompiled | None:
-    """The runner's graphs from ``path``, or None where they cannot run here (logged)."""
-    rekeyed = _rekey(runner.model, path.stem)
+def load(runner: Any, path: Path, keys: str = "") -> Precompiled | None:
+    """The runner's graphs from ``path``, or None where they cannot run here (logged). ``keys``: the name their
+    packed layers were keyed by ("": the file's)."""
+    rekeyed = _rekey(runner.model, keys or path.stem)
     if rekeyed == "refused":
         logger.info("precompiled graphs of %s: another model in this process holds their layers' keys with other "
                     "weights; compiling here", runner.name)
@@ -175,17 +138,58 @@ def current(path: Path) -> bool:
     return not changed
 
 
-def install(runners: Sequence[Any], files: Sequence[Path]) -> bool:
-    """Every runner's graphs loaded from its file and set to serve; where one cannot, none is (logged)."""
+def install(runners: Sequence[Any], files: Sequence[Path], k_max: int) -> bool:
+    """Every runner's graphs loaded from its file and set to serve, with its prompt graphs where their file is
+    current; where one cannot, none is (logged)."""
     t0 = time.perf_counter()
     loaded = [load(r, f) for r, f in zip(runners, files)]
     if any(p is None for p in loaded):
         return False
-    for runner, graphs in zip(runners, loaded):
+    for runner, graphs, file in zip(runners, loaded, files):
+        assert graphs is not None
+        add_prompts(runner, graphs, file.stem, prompt_artifact(runner, k_max))
         runner.compiled.precompiled = graphs
     logger.info("loaded %s precompiled graphs in %.1fs", " + ".join(str(len(p)) for p in loaded if p),
                 time.perf_counter() - t0)
     return True
+
+
+def add_prompts(runner: Any, graphs: Precompiled, keys: str, path: Path) -> None:
+    """The prompt graphs in ``path`` (their packed layers keyed by ``keys``, the decode file's) added to
+    ``graphs``, where the file is current; else prompt chunks run eagerly, as they did before they had graphs."""
+    if _changed(path):
+        logger.info("%s: no current prompt graphs (%s); its prompt chunks run eagerly (make compile-cache builds them)",
+                    runner.name, path.name)
+        return
+    prompts = load(runner, path, keys)
+    if prompts is not None:
+        for shape, fns in prompts.graphs.items():
+            graphs.graphs.setdefault(shape, []).extend(fns)
+        logger.info("%s: %d prompt graphs loaded beside its decode graphs", runner.name, len(prompts))
+
+
+def compile_prompts(runners: Sequence[Any], k_max: int, dtype: str, trust_remote_code: bool) -> list[Path]:
+    """Each runner's prompt graphs compiled in a child (the target's first) where their file is not current;
+    waits for it and returns the files. A server loads them at its next start (recipe.compile_cache ships them)."""
+    files = [prompt_artifact(r, k_max) for r in runners]
+    missing = [Model(r.name, dtype, trust_remote_code, str(f), draft=i > 0, prompts=True,
+                     keys=artifact(r, k_max).stem)
+               for i, (r, f) in enumerate(zip(runners, files)) if _changed(f)]
+    if missing and (tail := _wait(spawn(missing, k_max, runners[0].cache.block_size))):
+        raise RuntimeError(f"compiling the prompt graphs failed: {tail}")
+    return files
+
+
+def _wait(child: subprocess.Popen[bytes]) -> str:
+    """Waits for a compile child, its progress in this log; "" where it succeeded, else what it said last."""
+    assert child.stderr is not None
+    tail: collections.deque[str] = collections.deque(maxlen=5)
+    for raw in child.stderr:
+        line = raw.decode(errors="replace").rstrip()
+        tail.append(line)
+        if PROGRESS in line:
+            logger.info("compile process: %s", line.split(PROGRESS, 1)[1])
+    return "" if child.wait() == 0 else f"exit code {child.returncode}: " + " | ".join(tail)
 
 
 def at_start(runners: Sequence[Any], k_max: int) -> bool:
@@ -194,7 +198,7 @@ def at_start(runners: Sequence[Any], k_max: int) -> bool:
     background thread while serving instead, the load (5 s for the embedded pair when idle) took 27 s under
     load, and the first 30 s served at 0.75x eager (docs/performance.md#compiling)."""
     files = [artifact(r, k_max) for r in runners]
-    return all(not _changed(f) for f in files) and install(runners, files)
+    return all(not _changed(f) for f in files) and install(runners, files, k_max)
 
 
 def spawn(models: Sequence[Model], k_max: int, block_size: int) -> subprocess.Popen[bytes]:
@@ -223,20 +227,11 @@ def background(runners: Sequence[Any], k_max: int, dtype: str, trust_remote_code
         if missing:
             t0 = time.perf_counter()
             logger.info("compile: compiling %s in a child process", " and ".join(m.path for m in missing))
-            child = spawn(missing, k_max, runners[0].cache.block_size)
-            assert child.stderr is not None
-            tail: collections.deque[str] = collections.deque(maxlen=5)
-            for raw in child.stderr:  # its progress in this log, and what it said last if it fails
-                line = raw.decode(errors="replace").rstrip()
-                tail.append(line)
-                if PROGRESS in line:
-                    logger.info("compile process: %s", line.split(PROGRESS, 1)[1])
-            if child.wait() != 0:
-                logger.warning("the compile process exited with code %s; compiling here instead: %s",
-                               child.returncode, " | ".join(tail))
+            if failed := _wait(spawn(missing, k_max, runners[0].cache.block_size)):
+                logger.warning("the compile process failed (%s); compiling here instead", failed)
                 return False
             logger.info("compile process done in %.1fs", time.perf_counter() - t0)
-        return install(runners, files)
+        return install(runners, files, k_max)
 
     return run
 
@@ -248,6 +243,17 @@ def one_row_layouts() -> Iterator[None]:
     stale); a draft's file built either way serves the same forwards."""
     every = aot_graphs.warm_up_layouts
     aot_graphs.warm_up_layouts = lambda *args: [b for b in every(*args) if max(b.logits_rows) <= 1]
+    try:
+        yield
+    finally:
+        aot_graphs.warm_up_layouts = every
+
+
+@contextlib.contextmanager
+def prompts_only() -> Iterator[None]:
+    """compile_runner on the prompt layouts (engine.worker.prompt_layouts) instead of the decode ones."""
+    every = aot_graphs.warm_up_layouts
+    aot_graphs.warm_up_layouts = prompt_layouts
     try:
         yield
     finally:
@@ -271,9 +277,12 @@ def main(spec: dict[str, Any]) -> None:
     k_max, block_size = spec["k_max"], spec["block_size"]
     for m in (Model(**m) for m in spec["models"]):
         runner = ModelRunner.load(m.path, m.dtype, "cpu", m.trust_remote_code)
-        runner.allocate_cache(3 * warm_up_blocks(k_max, block_size), block_size)
-        small_linear.install(runner.model, Path(m.file).stem)  # the packed layers' keys: the file's, like a clone's
-        with one_row_layouts() if m.draft else contextlib.nullcontext():
+        runner.allocate_cache(3 * max(warm_up_blocks(k_max, block_size), prompt_blocks(k_max, block_size)),
+                              block_size)
+        # The packed layers' keys: the file's, like a clone's (a prompt file's: its decode file's, loaded beside it).
+        small_linear.install(runner.model, m.keys or Path(m.file).stem)
+        with prompts_only() if m.prompts else contextlib.nullcontext(), \
+                one_row_layouts() if m.draft else contextlib.nullcontext():
             data = compile_runner(runner, k_max)
         out = Path(m.file)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.layers import small_linear
 from engine.layers.attention_metadata import ShortGroup
-from engine.worker import aot_graphs, precompile
+from engine.worker import aot_graphs, graph_files, precompile
 
 
 def short(mask: torch.Tensor | None, span: tuple[int, int] | None) -> ShortGroup:
@@ -46,23 +46,23 @@ def test_the_graphs_file_changes_with_the_checkpoint_the_layouts_and_the_dtype_n
         (tmp_path / where / "config.json").write_text("{}")
         (tmp_path / where / "model.safetensors").write_bytes(b"x" * 8)
     runner = fake_runner(tmp_path / "a")
-    first = precompile.key(runner, 4)
-    assert precompile.key(fake_runner(tmp_path / "b"), 4) == first, "a clone loads the graphs"
+    first = graph_files.key(runner, 4)
+    assert graph_files.key(fake_runner(tmp_path / "b"), 4) == first, "a clone loads the graphs"
     os.utime(tmp_path / "a" / "model.safetensors", ns=(1, 1))
-    assert precompile.key(runner, 4) == first, "a checkout's file times are not the checkpoint"
-    assert precompile.key(runner, 5) != first
-    assert precompile.key(fake_runner(tmp_path / "a", torch.bfloat16), 4) != first
+    assert graph_files.key(runner, 4) == first, "a checkout's file times are not the checkpoint"
+    assert graph_files.key(runner, 5) != first
+    assert graph_files.key(fake_runner(tmp_path / "a", torch.bfloat16), 4) != first
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)  # the graphs' guards check it
-        assert precompile.key(runner, 4) != first
+        assert graph_files.key(runner, 4) != first
     finally:
         torch.set_num_threads(threads)
     (tmp_path / "a" / "model.safetensors").write_bytes(b"y" * 8)  # other weights: their layers' keys differ
-    assert precompile.key(runner, 4) != first
+    assert graph_files.key(runner, 4) != first
     (tmp_path / "a" / "model.safetensors").write_bytes(b"x" * 8)
     (tmp_path / "a" / "config.json").write_text('{"num_hidden_layers": 2}')
-    assert precompile.key(runner, 4) != first
+    assert graph_files.key(runner, 4) != first
 
 
 def graphs_traced_from(module: str, first: int, last: int, checksum: str) -> bytes:
