@@ -25,6 +25,7 @@ from engine.types.sequence import TokenLogprob
 from engine.types.stats import SourceStats, StepStats, StepTotals
 from engine.worker.compile_cache import archive as compile_cache_archive
 from engine.worker.compile_cache import pack as pack_compile_cache
+from engine.worker.precompile import compile_prompt_files
 
 __all__ = [
     "GRAMMAR_SOURCE",
@@ -56,6 +57,7 @@ __all__ = [
     "exit_head",
     "follow_rank",
     "compile_cache_archive",
+    "compile_prompt_files",
     "pack_compile_cache",
     "parse_size",
     "save_head",

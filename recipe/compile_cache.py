@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from engine import compile_cache_archive, pack_compile_cache
+from engine import compile_cache_archive, compile_prompt_files, pack_compile_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("recipe.compile_cache")
@@ -82,23 +82,16 @@ def compile_prompt_graphs(cache: str | None, **options: object) -> None:
     """Into ``cache`` (None: inductor's own): the prompt graphs (engine.worker.prompt_layouts) of the server
     ``options`` configure (ServerConfig's fields; none: the default pair), which it loads where it finds them but
     does not compile itself."""
-    from engine.worker import precompile
-    from engine.worker.model_runner import ModelRunner
     from server.config import ServerConfig
 
     if cache is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     server = ServerConfig(**options)
     config = server.engine_config()
-    runners = []
-    for path in (server.target_path, server.draft_path):
-        if path is not None:
-            runner = ModelRunner.load(path, config.dtype, "cpu", config.trust_remote_code)
-            runner.allocate_cache(1, config.block_size)
-            runners.append(runner)
+    paths = [p for p in (server.target_path, server.draft_path) if p is not None]
     t0 = time.monotonic()
-    logger.info("compiling the prompt layouts of %s", " and ".join(r.name for r in runners))
-    files = precompile.compile_prompts(runners, config.k_max, config.dtype, config.trust_remote_code)
+    logger.info("compiling the prompt layouts of %s", " and ".join(paths))
+    files = compile_prompt_files(paths, config.dtype, config.k_max, config.block_size, config.trust_remote_code)
     logger.info("compiled %s in %.0f s", ", ".join(f.name for f in files), time.monotonic() - t0)
 
 

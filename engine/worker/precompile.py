@@ -158,8 +158,8 @@ def add_prompts(runner: Any, graphs: Precompiled, keys: str, path: Path) -> None
     """The prompt graphs in ``path`` (their packed layers keyed by ``keys``, the decode file's) added to
     ``graphs``, where the file is current; else prompt chunks run eagerly, as they did before they had graphs."""
     if _changed(path):
-        logger.info("%s: no current prompt graphs (%s); its prompt chunks run eagerly (make compile-cache builds them)",
-                    runner.name, path.name)
+        logger.info("%s: no current prompt graphs (%s); its prompt chunks stay eager (compile_prompt_files, as in make "
+                    "compile-cache, builds them)", runner.name, path.name)
         return
     prompts = load(runner, path, keys)
     if prompts is not None:
@@ -178,6 +178,17 @@ def compile_prompts(runners: Sequence[Any], k_max: int, dtype: str, trust_remote
     if missing and (tail := _wait(spawn(missing, k_max, runners[0].cache.block_size))):
         raise RuntimeError(f"compiling the prompt graphs failed: {tail}")
     return files
+
+
+def compile_prompt_files(paths: Sequence[str], dtype: str, k_max: int, block_size: int,
+                         trust_remote_code: bool = False) -> list[Path]:
+    """``compile_prompts`` for the checkpoints at ``paths`` (a target, then its draft), keyed as a server's."""
+    from engine.worker.model_runner import ModelRunner
+
+    runners = [ModelRunner.load(path, dtype, "cpu", trust_remote_code) for path in paths]
+    for runner in runners:
+        runner.allocate_cache(1, block_size)
+    return compile_prompts(runners, k_max, dtype, trust_remote_code)
 
 
 def _wait(child: subprocess.Popen[bytes]) -> str:
@@ -237,23 +248,14 @@ def background(runners: Sequence[Any], k_max: int, dtype: str, trust_remote_code
 
 
 @contextlib.contextmanager
-def one_row_layouts() -> Iterator[None]:
-    """compile_runner on the warm-up layouts that return at most one row of logits per sequence. Chosen here, not
-    in aot_graphs or warm_up_layouts, whose text keys the graph files (a change there would leave the shipped ones
-    stale); a draft's file built either way serves the same forwards."""
+def layouts(m: Model) -> Iterator[None]:
+    """compile_runner on the prompt layouts (engine.worker.prompt_layouts) or the warm-up ones, a draft's those that
+    return at most one logits row a sequence. Chosen here, not in aot_graphs or warm_up_layouts, whose text keys the
+    graph files (a change there would leave the shipped ones stale); a draft's file built either way serves alike."""
     every = aot_graphs.warm_up_layouts
-    aot_graphs.warm_up_layouts = lambda *args: [b for b in every(*args) if max(b.logits_rows) <= 1]
-    try:
-        yield
-    finally:
-        aot_graphs.warm_up_layouts = every
-
-
-@contextlib.contextmanager
-def prompts_only() -> Iterator[None]:
-    """compile_runner on the prompt layouts (engine.worker.prompt_layouts) instead of the decode ones."""
-    every = aot_graphs.warm_up_layouts
-    aot_graphs.warm_up_layouts = prompt_layouts
+    chosen = prompt_layouts if m.prompts else every
+    aot_graphs.warm_up_layouts = (lambda *args: [b for b in chosen(*args) if max(b.logits_rows) <= 1]) \
+        if m.draft else chosen
     try:
         yield
     finally:
@@ -281,8 +283,7 @@ def main(spec: dict[str, Any]) -> None:
                               block_size)
         # The packed layers' keys: the file's, like a clone's (a prompt file's: its decode file's, loaded beside it).
         small_linear.install(runner.model, m.keys or Path(m.file).stem)
-        with prompts_only() if m.prompts else contextlib.nullcontext(), \
-                one_row_layouts() if m.draft else contextlib.nullcontext():
+        with layouts(m):
             data = compile_runner(runner, k_max)
         out = Path(m.file)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -89,14 +89,14 @@ def test_the_attention_layout_is_copied_once_per_other_device_and_keeps_its_shap
     assert moved.cache is cache, "the cache stays where each layer put it"
     assert moved.short is not None
     tensors = [moved.slot_mapping, moved.positions, moved.short.rows, moved.short.real, moved.short.positions,
-               moved.short.slots, moved.long[0].slots, moved.long[0].positions, moved.long[0].mask]
+               moved.short.slots, moved.long[0].rows, moved.long[0].slots, moved.long[0].positions, moved.long[0].mask]
     assert meta.short.span == (12, 6), "one sequence in consecutive slots: a view"
     assert meta.short.slots is not None and meta.short.slots.tolist() == [list(range(12, 18))], "and, on the CPU, " \
         "the span's slots for the attention kernel"
     assert all(t.device.type == "meta" for t in tensors)
     assert moved.short.mask is None and meta.short.mask is None  # one query over one context: no mask either way
     assert moved.short.span == meta.short.span
-    assert (moved.long[0].rows, moved.long[0].fresh) == (meta.long[0].rows, meta.long[0].fresh)
+    assert moved.long[0].rows.shape == meta.long[0].rows.shape and moved.long[0].fresh == meta.long[0].fresh
     assert meta.slot_mapping.device.type == "cpu", "the original is untouched"
 
 
