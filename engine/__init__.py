@@ -22,7 +22,7 @@ from engine.types.errors import SamplingParamError
 from engine.types.outputs import CompletionOutput, RequestOutput
 from engine.types.sampling_params import SamplingParams
 from engine.types.sequence import TokenLogprob
-from engine.types.stats import SourceStats, StepStats, StepTotals
+from engine.types.stats import ForwardCounts, SourceStats, StepStats, StepTotals
 from engine.worker.compile_cache import archive as compile_cache_archive
 from engine.worker.compile_cache import pack as pack_compile_cache
 from engine.worker.precompile import compile_prompt_files
@@ -39,6 +39,7 @@ __all__ = [
     "Eagle3Head",
     "EngineConfig",
     "ExitHead",
+    "ForwardCounts",
     "LLMEngine",
     "MemoryPlan",
     "PlanError",

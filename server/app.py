@@ -17,6 +17,7 @@ from starlette.middleware.cors import CORSMiddleware
 from engine import LLMEngine
 from server import errors, routes
 from server.async_engine import AsyncEngine
+from server.compile_metrics import declare_compile
 from server.config import ServerConfig
 from server.logprobs import TokenText
 from server.metrics import draft_methods
@@ -93,7 +94,8 @@ class Lifespan:
         if state.draining:  # shut down while loading: nothing to serve
             return
         state.metrics.declare_methods(draft_methods(engine))
-        state.metrics.declare_compile(lambda: engine.compile_state, lambda: engine.uncompiled_forwards)
+        declare_compile(state.metrics.registry, state.metrics.model_name, lambda: engine.compile_state,
+                        lambda: engine.forward_counts)
         if "suffix" in draft_methods(engine):
             state.metrics.declare_suffix_cache(engine.drafting.suffix_cache_nodes)  # type: ignore[union-attr]
         if engine.controller is not None:

@@ -150,7 +150,9 @@ class ServerConfig:
     compile: str = option(
         "auto", "`torch.compile` the target's and the draft's decode and verify forwards: `start` before serving "
         "(the flag alone), `background` serving eagerly until a child process at the lowest CPU priority has compiled "
-        "them (on CPU, where `start` waits for the same child; later starts load its files at once), `off`, or `auto`: "
+        "them (on CPU, where `start` waits for the same child and has its prompt-chunk graphs compiled too, which "
+        "`background` loads only where make compile-cache built them; later starts load the files at once), `off`, "
+        "or `auto`: "
         "`background` on CPU in float32 where a C++ compiler is found, else `off` (in YAML, true and false are `start` "
         "and `off`); the first compile on a machine takes minutes, later ones read inductor's cache",
         choices=COMPILE_MODES, bare="start", metavar="MODE", engine=True, from_yaml=_compile_mode,

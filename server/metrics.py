@@ -22,7 +22,6 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from engine import GRAMMAR_SOURCE, AuditResult, LLMEngine, RequestOutput, StepStats
 from server.controller_metrics import ControllerMetrics
 from server.count_histogram import CountHistogram
-from server.read_counter import ReadCounter
 from server.step_window import StepWindow
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -41,7 +40,6 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                480.0, 960.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 GRAMMAR_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
-COMPILE_STATES = ("off", "compiling", "compiled", "failed")  # LLMEngine.compile_state
 MAX_ACCEPTED_LENGTH = 17  # k <= 16: 1..17 tokens per verify step, one bucket each
 
 
@@ -182,18 +180,6 @@ class Metrics:
             "specd:request_queue_time_seconds", "Queued for the engine to the start of its first scheduled step.",
             QUEUE_BUCKETS,
         )
-
-    def declare_compile(self, state: Callable[[], str], uncompiled: Callable[[], int]) -> None:
-        """``specd:compile_state``, read from the engine at each scrape: 1 for its state, 0 for the others (the
-        exposition of prometheus_client's Enum, whose value is set, not read when scraped); the eager forwards."""
-        ReadCounter("specd:uncompiled_forwards", "Decode and verify forwards of a compiled model run eagerly: their "
-                    "layout was not among the compiled ones.", self.model_name, uncompiled, self.registry)
-        family = Gauge(
-            "specd:compile_state", "torch.compile of the decode and verify forwards: off, compiling (served eagerly "
-            "until ready), compiled, or failed (served eagerly).", ["model_name", "state"], registry=self.registry,
-        )
-        for name in COMPILE_STATES:
-            family.labels(self.model_name, name).set_function(lambda name=name: float(state() == name))
 
     def declare_suffix_cache(self, nodes: Callable[[], int]) -> None:
         """``specd:suffix_cache_nodes``, read from the engine at each scrape."""

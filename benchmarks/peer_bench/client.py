@@ -19,7 +19,8 @@ from .workload import Conversation, Item, Request, as_request, needs_server, req
 SPECD_COUNTERS = (
     "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
     "engine_steps", "engine_step_seconds", "target_forward_seconds", "draft_seconds", "generation_tokens",
-    "grammar_seconds", "prefill_step_seconds",
+    "grammar_seconds", "prefill_step_seconds", "uncompiled_forwards", "compiled_prompt_forwards",
+    "eager_prompt_forwards",
 )
 
 

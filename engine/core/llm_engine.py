@@ -31,7 +31,7 @@ from engine.types.outputs import RequestOutput, Verdict
 from engine.types.sampling_params import SamplingParams
 from engine.types.schedule import ScheduledSeq, SchedulerConfig, SchedulerOutput
 from engine.types.sequence import FinishReason, Sequence
-from engine.types.stats import AuditStats, StepStats, StepTotals
+from engine.types.stats import AuditStats, ForwardCounts, StepStats, StepTotals
 from engine.worker.forward_batch import step_batch
 
 
@@ -98,9 +98,9 @@ class LLMEngine:
         return next((s for s in ("compiling", "failed", "compiled") if s in states), "off")
 
     @property
-    def uncompiled_forwards(self) -> int:
-        """Decode and verify forwards of compiled models that ran eagerly (a layout no graph covers)."""
-        return sum(c.uncompiled for c in self._compiled)
+    def forward_counts(self) -> ForwardCounts:
+        c = self._compiled
+        return ForwardCounts(sum(x.uncompiled for x in c), sum(x.prompts[0] for x in c), sum(x.prompts[1] for x in c))
 
     # ---- requests -------------------------------------------------------------------------------
 

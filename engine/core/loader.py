@@ -151,6 +151,10 @@ def _ahead_of_time(compiled: list[ModelRunner], config: EngineConfig, device: to
     background compiles at start too) or the child fails."""
     if device.type != "cpu" or split or eagle or early_exit is not None or not compiled:
         return False
+    try:  # prompt graphs too: the server loads them, but only here and make compile-cache build them
+        precompile.compile_prompts(compiled, config.k_max, config.dtype, config.trust_remote_code)
+    except RuntimeError as exc:
+        logger.warning("%s; prompt chunks run eagerly", exc)
     if not (precompile.at_start(compiled, config.k_max)
             or precompile.background(compiled, config.k_max, config.dtype, config.trust_remote_code)()):
         return False

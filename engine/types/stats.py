@@ -37,6 +37,15 @@ def shares(draft: DraftState, num_drafts: int, num_accepted: int) -> tuple[Draft
 
 
 @dataclass(frozen=True)
+class ForwardCounts:
+    """Forwards of the compiled models (target and drafts together) since start."""
+
+    uncompiled: int  # decode and verify forwards in a layout no graph covers, run eagerly
+    prompt_compiled: int  # forwards with a prompt chunk that a loaded prompt graph served
+    prompt_eager: int  # forwards with a prompt chunk that ran eagerly (no graph fits, or none loaded)
+
+
+@dataclass(frozen=True)
 class SourceStepStats:
     """One draft source's part of a step. A sequence-step counts once, in ``num_drafts`` of the source that
     drafted first in it (grammar-forced drafts after a source's own add tokens to "grammar", not a sequence-step),

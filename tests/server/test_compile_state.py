@@ -45,5 +45,5 @@ def test_a_background_compile_serves_at_once_and_reports_its_state(make_server, 
     # the engine counts them, at each scrape.
     assert live.metric("specd:uncompiled_forwards_total", model_name=MODEL) == 0.0
     engine.target.compiled.uncompiled = 3
-    assert engine.uncompiled_forwards == 3
+    assert engine.forward_counts.uncompiled == 3
     assert live.metric("specd:uncompiled_forwards_total", model_name=MODEL) == 3.0

@@ -163,10 +163,15 @@ def test_a_later_start_finds_the_graphs_on_disk_and_serves_compiled_from_its_fir
     assert "compiling" not in log and "run eagerly" not in log, log
 
 
-def test_compile_start_serves_the_graphs_on_disk_before_it_returns(compiled_llm, pair8, caplog):
+def test_compile_start_serves_the_graphs_on_disk_before_it_returns(compiled_llm, pair8, caplog, monkeypatch):
     """--compile start on CPU serves the graphs the background compile wrote, loaded before the engine exists, not
-    this process's own torch.compile (dynamic shapes: slower forwards, and compiled again at every start)."""
+    this process's own torch.compile (dynamic shapes: slower forwards, and compiled again at every start); it has
+    the prompt graphs compiled first, which a background compile leaves to make compile-cache (their compile:
+    tests/engine/worker/test_prompt_layouts.py; here it is only asked for, minutes on 2 cores)."""
     caplog.set_level(logging.INFO, logger="engine")
+    asked: list[tuple[list[str], int]] = []
+    monkeypatch.setattr(precompile, "compile_prompts", lambda runners, k_max, *args: asked.append(
+        ([r.name for r in runners], k_max)))
     llm = LLM(model=str(pair8 / "target"), draft_model=str(pair8 / "draft"), speculative_method="draft_model",
               num_speculative_tokens=K, dtype="float32", device="cpu", compile="start")
     engine = llm.engine
@@ -174,6 +179,7 @@ def test_compile_start_serves_the_graphs_on_disk_before_it_returns(compiled_llm,
     assert engine.compile_state == "compiled" and "serve graphs compiled ahead of time" in caplog.text
     assert all(r.compiled.precompiled is not None and r.compiled.frozen for r in runners(llm))
     assert "compiling /" not in caplog.text, "compiled in this process"
+    assert asked == [([r.name for r in runners(llm)], K)], "the prompt graphs were not asked for"
     ref = Reference(pair8 / "target", eos=7)
     for p, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
         assert_same_as_target(ref, p, out.token_ids, "--compile start")
@@ -458,8 +464,8 @@ def test_where_the_child_fails_this_process_compiles_the_layouts_itself(pair8, m
     llm = LLM(model=str(pair8 / "target"), speculative_method="none", dtype="float32", device="cpu", compile=mode)
     if mode == "background":
         assert llm.engine.background_compile is not None and llm.engine.background_compile.join(timeout=600)
-    else:
-        assert llm.engine.background_compile is None
+    else:  # the prompt graphs' child failed too: the server starts, its prompt chunks eager
+        assert llm.engine.background_compile is None and "prompt chunks run eagerly" in caplog.text
     assert llm.engine.compile_state == "compiled" and "compiling here instead" in caplog.text
     assert "compiling /" in caplog.text and "layout 2/2" in caplog.text, "compiled in this process"
     ref = Reference(pair8 / "target", eos=7)
@@ -478,11 +484,11 @@ def test_a_layout_the_warm_up_did_not_compile_runs_eagerly_instead_of_stalling_t
     assert runner.compiled.frozen
     batch = ForwardBatch([[7], [1], [2]], [20, 30, 10], [[1, 2], [3, 4, 5], [6]], [1, 0, 1])
     frames, calls, uncompiled = counters["stats"]["unique_graphs"], runner.compiled.calls, runner.compiled.uncompiled
-    eager = compiled_llm.engine.uncompiled_forwards
+    eager = compiled_llm.engine.forward_counts.uncompiled
     got = runner.forward(batch)
     assert counters["stats"]["unique_graphs"] == frames, "a layout was compiled while serving"
     assert (runner.compiled.calls, runner.compiled.uncompiled) == (calls, uncompiled + 1), "counted as eager"
-    assert compiled_llm.engine.uncompiled_forwards == eager + 1, "specd:uncompiled_forwards_total reads it"
+    assert compiled_llm.engine.forward_counts.uncompiled == eager + 1, "specd:uncompiled_forwards_total reads it"
     runner.compiled.failed = True  # the same forward through the plain model
     try:
         want = runner.forward(batch)
