@@ -148,13 +148,11 @@ class ServerConfig:
         "(`specd:spec_decode_audit_total`)", engine=True,
     )
     compile: str = option(
-        "auto", "`torch.compile` the target's and the draft's decode and verify forwards: `start` before serving "
-        "(the flag alone), `background` serving eagerly until a child process at the lowest CPU priority has compiled "
-        "them (on CPU, where `start` waits for the same child and has its prompt-chunk graphs compiled too, which "
-        "`background` loads only where make compile-cache built them; later starts load the files at once), `off`, "
-        "or `auto`: "
-        "`background` on CPU in float32 where a C++ compiler is found, else `off` (in YAML, true and false are `start` "
-        "and `off`); the first compile on a machine takes minutes, later ones read inductor's cache",
+        "auto", "`torch.compile` the target's and the draft's decode and verify forwards: `start` before serving (the "
+        "flag alone), `background` serving eagerly until a child process at the lowest CPU priority has compiled "
+        "them (on CPU, where `start` waits for the same child, and its prompt graphs too; later starts load them), "
+        "`off`, or `auto`: `background` on CPU in float32 where a C++ compiler is found, else `off` (in YAML, true "
+        "and false are `start` and `off`); a machine's first compile takes minutes, later ones read inductor's cache",
         choices=COMPILE_MODES, bare="start", metavar="MODE", engine=True, from_yaml=_compile_mode,
     )
     prefix_caching: bool = option(

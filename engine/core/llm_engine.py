@@ -100,7 +100,7 @@ class LLMEngine:
     @property
     def forward_counts(self) -> ForwardCounts:
         c = self._compiled
-        return ForwardCounts(sum(x.uncompiled for x in c), sum(x.prompts[0] for x in c), sum(x.prompts[1] for x in c))
+        return ForwardCounts(*(sum(getattr(x, n) for x in c) for n in ("uncompiled", "prompt_served", "prompt_eager")))
 
     # ---- requests -------------------------------------------------------------------------------
 

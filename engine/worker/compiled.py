@@ -103,7 +103,8 @@ class CompiledForward:
         self.warming_in: threading.Thread | None = None
         self.calls = 0  # forwards that ran compiled
         self.uncompiled = 0  # decode and verify forwards in a layout the warm-up did not compile, run eagerly
-        self.prompts = [0, 0]  # forwards with a prompt chunk: served by a loaded graph, run eagerly
+        self.prompt_served = 0  # forwards with a prompt chunk that a loaded prompt graph served
+        self.prompt_eager = 0  # forwards with a prompt chunk run eagerly
         # Graphs compiled in a child process and loaded from its file (engine.worker.precompile): they serve
         # instead of this process's own torch.compile once set.
         self.precompiled: Callable[..., Any] | None = None
@@ -130,10 +131,10 @@ class CompiledForward:
                     out = self.precompiled(**inputs)
                     if out is not None:
                         self.calls += 1
-                        self.prompts[0] += prompt
+                        self.prompt_served += prompt
                         return out
                     if prompt:
-                        self.prompts[1] += 1
+                        self.prompt_eager += 1
                         return self.model(**inputs)
                     if not self.uncompiled:
                         logger.info("%s met a layout its precompiled graphs do not fit; such forwards run eagerly "
@@ -162,7 +163,7 @@ class CompiledForward:
                 return out
             except Exception:
                 self._fail()
-        self.prompts[1] += prompt
+        self.prompt_eager += prompt
         return self.model(**inputs)
 
     def _fail(self) -> None:

@@ -74,12 +74,12 @@ def test_a_prompt_beside_decoders_runs_its_graph_with_the_eager_logits_and_two_p
     for table in (one, other, cached):  # contexts to read: prompts alone, which no graph here fits
         runner.forward(ForwardBatch([tokens(CONTEXT + 4)], [0], [table], [1]))
     assert (compiled.calls, compiled.uncompiled) == (0, 0), "eager, and not an uncompiled decode"
-    assert compiled.prompts == [0, 3], "counted as eager prompt forwards (specd:eager_prompt_forwards_total)"
+    assert (compiled.prompt_served, compiled.prompt_eager) == (0, 3), "counted as eager prompt forwards"
 
     def compiled_and_eager(batch: ForwardBatch) -> None:
-        calls, served = compiled.calls, compiled.prompts[0]
+        calls, served = compiled.calls, compiled.prompt_served
         out = runner.forward(batch)
-        assert compiled.calls == calls + 1 and compiled.prompts[0] == served + 1, "its graph ran"
+        assert compiled.calls == calls + 1 and compiled.prompt_served == served + 1, "its graph ran"
         compiled.precompiled = None
         try:
             eager = runner.forward(batch)  # writes the same K/V again
@@ -91,10 +91,10 @@ def test_a_prompt_beside_decoders_runs_its_graph_with_the_eager_logits_and_two_p
     compiled_and_eager(ForwardBatch([tokens(1), tokens(1), tokens(SHORT - 7)], [CONTEXT + 3, CONTEXT // 2, 0],
                                     [one, other, prompt], [1, 1, 1]))
     compiled_and_eager(ForwardBatch([tokens(SHORT - 20)], [CONTEXT + 4], [cached], [1]))
-    calls, eager = compiled.calls, compiled.prompts[1]
+    calls, eager = compiled.calls, compiled.prompt_eager
     runner.forward(ForwardBatch([tokens(50), tokens(60)], [0, 0], [prompt, one], [1, 1]))
     assert (compiled.calls, compiled.uncompiled) == (calls, 0), "two prompts: eager, not an uncompiled decode"
-    assert compiled.prompts[1] == eager + 1
+    assert compiled.prompt_eager == eager + 1
 
 
 def test_the_prompt_file_is_keyed_by_its_decode_file_and_the_prompt_layouts(model_dir, monkeypatch):
