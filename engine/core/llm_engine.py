@@ -6,7 +6,7 @@ import random
 import threading
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 
@@ -100,7 +100,7 @@ class LLMEngine:
     @property
     def forward_counts(self) -> ForwardCounts:
         c = self._compiled
-        return ForwardCounts(*(sum(getattr(x, n) for x in c) for n in ("uncompiled", "prompt_served", "prompt_eager")))
+        return ForwardCounts(**{f.name: sum(getattr(x, f.name) for x in c) for f in fields(ForwardCounts)})
 
     # ---- requests -------------------------------------------------------------------------------
 

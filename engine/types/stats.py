@@ -38,7 +38,8 @@ def shares(draft: DraftState, num_drafts: int, num_accepted: int) -> tuple[Draft
 
 @dataclass(frozen=True)
 class ForwardCounts:
-    """Forwards of the compiled models (target and drafts together) since start."""
+    """Forwards of the compiled models (target and drafts together) since start: each field sums the
+    CompiledForward attribute of its name."""
 
     uncompiled: int  # decode and verify forwards in a layout no graph covers, run eagerly
     prompt_compiled: int  # forwards with a prompt chunk that a loaded prompt graph served

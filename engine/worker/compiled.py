@@ -103,7 +103,7 @@ class CompiledForward:
         self.warming_in: threading.Thread | None = None
         self.calls = 0  # forwards that ran compiled
         self.uncompiled = 0  # decode and verify forwards in a layout the warm-up did not compile, run eagerly
-        self.prompt_served = 0  # forwards with a prompt chunk that a loaded prompt graph served
+        self.prompt_compiled = 0  # forwards with a prompt chunk that a loaded prompt graph served
         self.prompt_eager = 0  # forwards with a prompt chunk run eagerly
         # Graphs compiled in a child process and loaded from its file (engine.worker.precompile): they serve
         # instead of this process's own torch.compile once set.
@@ -131,7 +131,7 @@ class CompiledForward:
                     out = self.precompiled(**inputs)
                     if out is not None:
                         self.calls += 1
-                        self.prompt_served += prompt
+                        self.prompt_compiled += prompt
                         return out
                     if prompt:
                         self.prompt_eager += 1

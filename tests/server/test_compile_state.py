@@ -1,6 +1,7 @@
 """--compile background over HTTP: the server is ready at once, serving while its models compile, and /health
 and specd:compile_state say where the compile stands (compiling, then compiled or failed); and
-specd:uncompiled_forwards_total counts the forwards a compiled model ran eagerly."""
+specd:uncompiled_forwards_total counts the forwards a compiled model ran eagerly, and the two prompt-forward
+counters (compiled, eager) read the engine's counts."""
 
 from __future__ import annotations
 
@@ -47,3 +48,6 @@ def test_a_background_compile_serves_at_once_and_reports_its_state(make_server, 
     engine.target.compiled.uncompiled = 3
     assert engine.forward_counts.uncompiled == 3
     assert live.metric("specd:uncompiled_forwards_total", model_name=MODEL) == 3.0
+    engine.target.compiled.prompt_compiled, engine.target.compiled.prompt_eager = 5, 2
+    assert live.metric("specd:compiled_prompt_forwards_total", model_name=MODEL) == 5.0
+    assert live.metric("specd:eager_prompt_forwards_total", model_name=MODEL) == 2.0

@@ -74,12 +74,12 @@ def test_a_prompt_beside_decoders_runs_its_graph_with_the_eager_logits_and_two_p
     for table in (one, other, cached):  # contexts to read: prompts alone, which no graph here fits
         runner.forward(ForwardBatch([tokens(CONTEXT + 4)], [0], [table], [1]))
     assert (compiled.calls, compiled.uncompiled) == (0, 0), "eager, and not an uncompiled decode"
-    assert (compiled.prompt_served, compiled.prompt_eager) == (0, 3), "counted as eager prompt forwards"
+    assert (compiled.prompt_compiled, compiled.prompt_eager) == (0, 3), "counted as eager prompt forwards"
 
     def compiled_and_eager(batch: ForwardBatch) -> None:
-        calls, served = compiled.calls, compiled.prompt_served
+        calls, served = compiled.calls, compiled.prompt_compiled
         out = runner.forward(batch)
-        assert compiled.calls == calls + 1 and compiled.prompt_served == served + 1, "its graph ran"
+        assert compiled.calls == calls + 1 and compiled.prompt_compiled == served + 1, "its graph ran"
         compiled.precompiled = None
         try:
             eager = runner.forward(batch)  # writes the same K/V again
