@@ -36,13 +36,14 @@ sys.path.insert(0, str(REPO_ROOT))
 from transformers import AutoTokenizer  # noqa: E402
 
 from benchmarks.peer_bench.prompts import PROMPT_SETS  # noqa: E402
-from engine import LLM, EngineConfig, SamplingParams, StepStats  # noqa: E402
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams, StepStats  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=128, temperature=0.0)
 
 
-def stream(llm: LLM, prompts: list[str], concurrency: int) -> tuple[float, list[StepStats]]:
-    """Runs ``prompts`` with ``concurrency`` in flight; (wall seconds, every step's stats)."""
+def stream(llm: LLM, prompts: list[str], concurrency: int) -> tuple[float, list[tuple[StepStats, int]]]:
+    """Runs ``prompts`` with ``concurrency`` in flight; (wall seconds, every step's stats with the forwards it ran
+    eagerly, the target's and the draft's)."""
     engine, pending, live, steps = llm.engine, iter(prompts), 0, []
 
     def admit() -> None:
@@ -56,13 +57,20 @@ def stream(llm: LLM, prompts: list[str], concurrency: int) -> tuple[float, list[
         admit()
     t0 = time.perf_counter()
     while live:
+        eager = eager_forwards(engine)
         for out in engine.step():
             if out.finished:
                 live -= 1
                 admit()
         if engine.last_step is not None:
-            steps.append(engine.last_step)
+            steps.append((engine.last_step, eager_forwards(engine) - eager))
     return time.perf_counter() - t0, steps
+
+
+def eager_forwards(engine: LLMEngine) -> int:
+    """The forwards so far, the target's and the draft's, that no compiled graph served."""
+    counts = engine.forward_counts
+    return counts.uncompiled + counts.prompt_eager
 
 
 def kind(s: StepStats) -> str:
@@ -105,9 +113,10 @@ def main() -> None:
         batch = prompts[r * args.requests : (r + 1) * args.requests]
         for name in (list(llms) if r % 2 == 0 else list(reversed(llms))):
             wall, steps = stream(llms[name], batch, args.concurrency)
-            tok_s[name].append(sum(s.num_generated_tokens for s in steps) / wall)
-            for s in steps:
+            tok_s[name].append(sum(s.num_generated_tokens for s, _ in steps) / wall)
+            for s, eager in steps:
                 k = kinds[(name, kind(s))]
+                k["eager"] += eager
                 k["steps"] += 1
                 k["ms"] += 1e3 * s.step_seconds
                 k["target_ms"] += 1e3 * s.target_seconds
@@ -121,17 +130,19 @@ def main() -> None:
     print(f"\ndefault / none: {medians['default'] / medians['none']:.2f}x (ratio of median tok/s, "
           f"{args.concurrency} in flight, {args.set})\n")
     print("| engine | step | steps | ms a step | target ms | draft ms | rest ms | tokens a step | decoding "
-          "| prompt tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| prompt tokens | eager forwards |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for (name, k), c in sorted(kinds.items()):
         n = c["steps"]
         row = {"engine": name, "step": k, "steps": n, "ms": c["ms"] / n, "target_ms": c["target_ms"] / n,
                "draft_ms": c["draft_ms"] / n, "rest_ms": (c["ms"] - c["target_ms"] - c["draft_ms"]) / n,
-               "tokens": c["tokens"] / n, "decoding": c["decoding"] / n, "prompt_tokens": c["prompt_tokens"] / n}
+               "tokens": c["tokens"] / n, "decoding": c["decoding"] / n, "prompt_tokens": c["prompt_tokens"] / n,
+               "eager_forwards": c["eager"]}
         rows.append(row)
         print(f"| {name} | {k} | {n} | {row['ms']:.2f} | {row['target_ms']:.2f} | {row['draft_ms']:.2f} | "
-              f"{row['rest_ms']:.2f} | {row['tokens']:.1f} | {row['decoding']:.1f} | {row['prompt_tokens']:.0f} |")
+              f"{row['rest_ms']:.2f} | {row['tokens']:.1f} | {row['decoding']:.1f} | {row['prompt_tokens']:.0f} | "
+              f"{c['eager']} |")
     by_size: dict[int, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for tokens, predicted, seconds in checks[len(checks) // 3 :]:  # once the model has followed the compile
         b = by_size[int(tokens) // 16 * 16]

@@ -122,9 +122,10 @@ class CompiledForward:
         captures it)."""
         return self._compiled
 
-    def __call__(self, compiled: bool, prompt: bool = False, **inputs: Any) -> Any:
+    def __call__(self, compiled: bool, prompt: bool = False, apart: bool = False, **inputs: Any) -> Any:
         """``compiled``: the forward is a decode or verify step, or a prompt chunk (``prompt``) its loaded graphs
-        may fit (engine.worker.prompt_layouts: one that none fits runs eagerly, not counted in ``uncompiled``)."""
+        may fit (engine.worker.prompt_layouts: one that none fits runs eagerly, not counted in ``uncompiled``, or
+        returns None where the caller can run it ``apart``)."""
         if compiled and not self.failed and self.warming_in in (None, threading.current_thread()):
             try:
                 if self.precompiled is not None:
@@ -134,8 +135,8 @@ class CompiledForward:
                         self.prompt_compiled += prompt
                         return out
                     if prompt:
-                        self.prompt_eager += 1
-                        return self.model(**inputs)
+                        self.prompt_eager += not apart
+                        return None if apart else self.model(**inputs)
                     if not self.uncompiled:
                         logger.info("%s met a layout its precompiled graphs do not fit; such forwards run eagerly "
                                     "(counted in CompiledForward.uncompiled)", self.name)

@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 
+from engine.layers.attention_metadata import SHORT_QUERY
 from engine.types.schedule import ScheduledSeq
 
 
@@ -27,6 +28,18 @@ class ForwardBatch:
         if self.input_ids is not None:
             return self.input_ids.view(1, -1)
         return torch.tensor([[t for toks in self.token_ids for t in toks]], dtype=torch.long, device=device)
+
+    def parts(self) -> list[list[int]]:
+        """The sequences' indices in the parts a mix of prompt chunks and short queries runs in where no graph
+        serves it whole: the short queries together first, then each prompt chunk alone (empty: not a mix)."""
+        short = [i for i, toks in enumerate(self.token_ids) if len(toks) <= SHORT_QUERY]
+        if not short or len(short) == len(self.token_ids):
+            return []
+        return [short] + [[i] for i, toks in enumerate(self.token_ids) if len(toks) > SHORT_QUERY]
+
+    def part(self, seqs: list[int]) -> ForwardBatch:
+        return ForwardBatch([self.token_ids[i] for i in seqs], [self.starts[i] for i in seqs],
+                            [self.block_tables[i] for i in seqs], [self.logits_rows[i] for i in seqs])
 
     def logits_row_index(self) -> tuple[list[int], int]:
         """The packed rows that need logits, in order, and the number of rows T."""

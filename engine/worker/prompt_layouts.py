@@ -3,9 +3,10 @@
 On 2 CPU cores an eager forward of a ~100-token prompt beside 7 decoding sequences took 25.5 ms, the same
 layout compiled 14.6 ms (a 300-token one 61.5 against 33.2; the embedded target): the eager per-op overhead
 of a step is paid by the decoders that ride along with every prompt that arrives alone. One prompt per
-forward, fresh or after a cached prefix, alone or beside decoding and verifying sequences, within
-small_linear.SMALL_ROWS rows and past it (its two kernels are two graphs); forwards of two or more prompts
-stay eager. Their graphs live in a file of their own (engine.worker.graph_files.prompt_artifact), so that
+forward, fresh or after a cached prefix, alone or beside decoding and verifying sequences (as many drafts
+each, or padded to the most), within small_linear.SMALL_ROWS rows and past it (its two kernels are two
+graphs). A forward of two or more prompts beside short queries runs in parts (ModelRunner._in_parts), one
+of prompts alone eagerly. Their graphs live in a file of their own (graph_files.prompt_artifact), so that
 changing these layouts leaves the decode graphs shipped for every kind of CPU current. A server loads that file
 where it is current and never compiles it itself: ``make compile-cache`` does (precompile.compile_prompts).
 """
@@ -47,5 +48,14 @@ def prompt_layouts(k_max: int, block_size: int, num_blocks: int, first_block: in
         ForwardBatch([[0], [0] * SHORT], [CONTEXT, 0], [one, prompt], [1, 1]),  # one decoder: a span
         ForwardBatch([[0] * verify, [0] * verify, [0] * SHORT], [CONTEXT, CONTEXT // 2, 0], [one, other, prompt],
                      [verify, verify, 1]),
+        ForwardBatch([[0] * verify, [0] * verify, [0] * LONG], [CONTEXT, CONTEXT // 2, 0], [one, other, prompt],
+                     [verify, verify, 1]),
     ]
+    # Sequences verifying unequal numbers of drafts are padded to one query length (another graph): the goodput
+    # controller's usual step. A prompt arriving beside them ran eagerly (17 of 26 such steps of prose at 8
+    # concurrent, benchmarks/steady_state.py): 37-43 ms a step, 27 ms with these graphs.
+    for n in (SHORT, LONG):
+        for start in (0, CONTEXT):
+            layouts.append(ForwardBatch([[0] * verify, [0], [0] * n], [CONTEXT, CONTEXT // 2, start],
+                                        [one, other, prompt], [verify, 1, 1]))
     return layouts

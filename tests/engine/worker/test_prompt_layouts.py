@@ -1,6 +1,7 @@
 """Prompt graphs (engine.worker.prompt_layouts): compiled ahead of time into a file of their own, loaded beside the
 decode graphs (precompile.add_prompts), run for one prompt chunk a forward with the eager forward's logits; a
-forward of a prompt no graph fits, or of two prompts, runs eagerly and is not counted as an uncompiled decode."""
+forward of a prompt no graph fits, or of two prompts, runs eagerly and is not counted as an uncompiled decode;
+prompts beside short queries that no graph serves whole run in parts (ModelRunner._in_parts), logits unchanged."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def test_the_layouts_fit_the_blocks_they_claim_and_each_has_one_prompt():
             assert all(-(-e // BLOCK) <= len(table) for e, table in zip(ends, batch.block_tables))
 
 
-def test_a_prompt_beside_decoders_runs_its_graph_with_the_eager_logits_and_two_prompts_stay_eager(model_dir,
-                                                                                                   tmp_path):
+def test_a_prompt_beside_decoders_runs_its_graph_and_a_mix_no_graph_fits_runs_in_parts_with_the_eager_logits(
+        model_dir, tmp_path):
     source = ModelRunner.load(str(model_dir), "float32", "cpu")
     source.allocate_cache(3 * prompt_blocks(K, BLOCK), BLOCK)
     small_linear.install(source.model, KEYS)
@@ -95,6 +96,27 @@ def test_a_prompt_beside_decoders_runs_its_graph_with_the_eager_logits_and_two_p
     runner.forward(ForwardBatch([tokens(50), tokens(60)], [0, 0], [prompt, one], [1, 1]))
     assert (compiled.calls, compiled.uncompiled) == (calls, 0), "two prompts: eager, not an uncompiled decode"
     assert compiled.prompt_eager == eager + 1
+
+    def in_parts(batch: ForwardBatch, prompts: int) -> None:
+        served, eager, uncompiled = compiled.prompt_compiled, compiled.prompt_eager, compiled.uncompiled
+        out = runner.forward(batch)
+        assert compiled.prompt_compiled == served + prompts, "each prompt chunk ran its graph, alone"
+        assert compiled.prompt_eager == eager, "no forward of the whole ran eagerly"
+        assert compiled.uncompiled == uncompiled + 1, "the short queries ran as a forward of their own"
+        compiled.precompiled = None
+        try:
+            whole = runner.forward(batch)  # eager, in one forward: the logits rows in the same order
+        finally:
+            compiled.precompiled = graphs
+        torch.testing.assert_close(out, whole, rtol=1e-4, atol=1e-4)
+
+    # Beside short queries (here no decode graph: they run eagerly), two prompts after cached prefixes, each ran
+    # apart in the graph of one; and one prompt beside sequences feeding unequal numbers of tokens, a mix no chosen
+    # graph fits whole.
+    in_parts(ForwardBatch([tokens(1), tokens(SHORT - 20), tokens(2), tokens(SHORT - 25)],
+                          [CONTEXT + 4, CONTEXT + 4, 10, CONTEXT + 4], [one, cached, prompt, other], [1, 1, 2, 1]), 2)
+    in_parts(ForwardBatch([tokens(3), tokens(1), tokens(SHORT - 30)], [CONTEXT + 5, 12, CONTEXT + 4],
+                          [one, prompt, cached], [3, 1, 1]), 1)
 
 
 def test_the_prompt_file_is_keyed_by_its_decode_file_and_the_prompt_layouts(model_dir, monkeypatch):
