@@ -53,7 +53,7 @@ def prompt_layouts(k_max: int, block_size: int, num_blocks: int, first_block: in
     ]
     # Sequences verifying unequal numbers of drafts are padded to one query length (another graph): the goodput
     # controller's usual step. A prompt arriving beside them ran eagerly (17 of 26 such steps of prose at 8
-    # concurrent, benchmarks/steady_state.py): 37-43 ms a step, 27 ms with these graphs.
+    # concurrent, benchmarks/steady_state.py): 37-43 ms a step, 27-34 ms with these graphs.
     for n in (SHORT, LONG):
         for start in (0, CONTEXT):
             layouts.append(ForwardBatch([[0] * verify, [0], [0] * n], [CONTEXT, CONTEXT // 2, start],
