@@ -32,10 +32,10 @@ class ForwardBatch:
     def parts(self) -> list[list[int]]:
         """The sequences' indices in the parts a mix of prompt chunks and short queries runs in where no graph
         serves it whole: the short queries together first, then each prompt chunk alone (empty: not a mix)."""
-        short = [i for i, toks in enumerate(self.token_ids) if len(toks) <= SHORT_QUERY]
-        if not short or len(short) == len(self.token_ids):
+        long = [i for i, toks in enumerate(self.token_ids) if len(toks) > SHORT_QUERY]  # none in a decode step
+        if not long or len(long) == len(self.token_ids):
             return []
-        return [short] + [[i] for i, toks in enumerate(self.token_ids) if len(toks) > SHORT_QUERY]
+        return [[i for i, toks in enumerate(self.token_ids) if len(toks) <= SHORT_QUERY]] + [[i] for i in long]
 
     def part(self, seqs: list[int]) -> ForwardBatch:
         return ForwardBatch([self.token_ids[i] for i in seqs], [self.starts[i] for i in seqs],
