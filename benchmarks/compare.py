@@ -109,7 +109,10 @@ def main() -> None:
     ap.add_argument("--sets", nargs="+", default=list(DEFAULT_SETS), choices=list(PROMPT_SETS),
                     help=f"prompt sets (default: {' '.join(DEFAULT_SETS)}; peer_bench/prompts.py describes each)")
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 32])
-    ap.add_argument("--prompts", type=int, default=8, help="requests at batch 1; 2 x concurrency above it")
+    ap.add_argument("--prompts", type=int, default=8, help="requests at batch 1 (default 8)")
+    ap.add_argument("--per-slot", type=int, default=2,
+                    help="requests a round per concurrent client above batch 1 (default 2): a round ends with its "
+                         "slowest client, so few a slot weigh the tail, where fewer requests are in flight")
     ap.add_argument("--reuse-prompts", action="store_true",
                     help="send every round and concurrency the same first prompts of each set (default: each batch "
                          "takes the set's next prompts, so a server sees a prompt again only once the set runs out)")
@@ -148,7 +151,7 @@ def main() -> None:
     if not any(s.name == report.BASELINE for s in chosen):
         ap.error(f"the systems must include {report.BASELINE!r}: every ratio is taken against it")
     tok = AutoTokenizer.from_pretrained(args.target)
-    sizes = [args.prompts if c == 1 else 2 * c for c in args.concurrency]
+    sizes = [args.prompts if c == 1 else args.per_slot * c for c in args.concurrency]
     needed = max(sizes) if args.reuse_prompts else args.rounds * sum(sizes) + 1
     prompts = {name: PROMPT_SETS[name](tok, needed) for name in args.sets}
     batches = Batches(prompts, args.reuse_prompts)
@@ -173,7 +176,7 @@ def main() -> None:
             order = running[rnd % len(running):] + running[: rnd % len(running)]  # rotate who goes first
             for name in args.sets:
                 for conc in args.concurrency:
-                    batch, repeated = batches.next(name, args.prompts if conc == 1 else 2 * conc)
+                    batch, repeated = batches.next(name, args.prompts if conc == 1 else args.per_slot * conc)
                     for r in order:
                         if r.system.kind == "generate" and (conc > 1 or any(map(needs_server, batch))):
                             continue
