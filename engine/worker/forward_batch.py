@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from engine.layers.attention_metadata import SHORT_QUERY
+from engine.layers.small_linear import SMALL_ROWS
 from engine.types.schedule import ScheduledSeq
 
 
@@ -30,12 +31,41 @@ class ForwardBatch:
         return torch.tensor([[t for toks in self.token_ids for t in toks]], dtype=torch.long, device=device)
 
     def parts(self) -> list[list[int]]:
-        """The sequences' indices in the parts a mix of prompt chunks and short queries runs in where no graph
-        serves it whole: the short queries together first, then each prompt chunk alone (empty: not a mix)."""
+        """The sequences' indices in the parts a forward runs in where no graph serves it whole (empty: none). A
+        mix of prompt chunks and short queries: the short queries together first, then each prompt chunk alone.
+        Prompts alone: each past SMALL_ROWS tokens by itself, the others together, where two or more are past it
+        (``apart``)."""
         long = [i for i, toks in enumerate(self.token_ids) if len(toks) > SHORT_QUERY]  # none in a decode step
-        if not long or len(long) == len(self.token_ids):
+        if not long:
             return []
+        if len(long) == len(self.token_ids):
+            return self.apart()
         return [[i for i, toks in enumerate(self.token_ids) if len(toks) <= SHORT_QUERY]] + [[i] for i in long]
+
+    def apart(self) -> list[list[int]]:
+        """Prompt chunks alone, in the parts they run in: each past SMALL_ROWS tokens in a prompt graph of its
+        own, the shorter ones together in one forward; empty where fewer than two are past it. A graph puts a
+        product past SMALL_ROWS rows on oneDNN with the weight packed at load, an eager forward on MKL's sgemm,
+        which runs below this CPU's peak. The embedded target on 2 CPU cores, one forward against one graph a
+        prompt: 3 prompts of 140 tokens 82 -> 66 ms, 3 of 320 196 -> 156, 4 of 1000 886 -> 735; at 120 tokens
+        and fewer (the few-rows kernel's rows, which a fused eager product over many prompts matches) 4 of 120
+        84 -> 83, 8 of 60 97 -> 101 and 16 of 30 67 -> 127, so those stay together."""
+        big = [i for i, toks in enumerate(self.token_ids) if len(toks) > SMALL_ROWS]
+        if len(big) < 2:
+            return []
+        rest = [i for i, toks in enumerate(self.token_ids) if len(toks) <= SMALL_ROWS]
+        return [[i] for i in big] + ([rest] if rest else [])
+
+    @property
+    def mixed(self) -> bool:
+        """Prompt chunks beside short queries (decoding or verifying sequences)."""
+        short = [len(toks) <= SHORT_QUERY for toks in self.token_ids]
+        return any(short) and not all(short)
+
+    def with_logits_rows(self, rows: int) -> ForwardBatch:
+        """The same forward with ``rows`` rows of logits from every sequence."""
+        return ForwardBatch(self.token_ids, self.starts, self.block_tables, [rows] * len(self.token_ids),
+                            self.input_ids)
 
     def part(self, seqs: list[int]) -> ForwardBatch:
         return ForwardBatch([self.token_ids[i] for i in seqs], [self.starts[i] for i in seqs],

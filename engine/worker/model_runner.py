@@ -187,10 +187,15 @@ class ModelRunner:
         """Returns float32 logits ``[sum(logits_rows), vocab]`` on ``self.device``: for each sequence in
         order, its last ``logits_rows[i]`` positions. The LM head runs only on those rows."""
         assert self.cache is not None, "allocate_cache() first"
+        if not any(batch.logits_rows) and self._parts_served(batch):
+            # Graphs keep at least one row for the LM head: prompt chunks that need no logits (each before its
+            # prompt's last) take one each, dropped here, rather than run eagerly.
+            return self.forward(batch.with_logits_rows(1))[:0]
         if self.leader is not None:
             self.leader.forward(batch)
         parts = batch.parts() if self._parts_served(batch) else []
-        if len(parts) > 2:  # two or more prompt chunks beside short queries: no graph serves them whole
+        # No graph serves two or more prompt chunks whole; one beside short queries may fit a prompt graph.
+        if len(parts) > 2 or (parts and not batch.mixed):
             return self._in_parts(batch, parts)
         ends = [s + len(t) for s, t in zip(batch.starts, batch.token_ids)]
         bucket = self.static.fits([len(t) for t in batch.token_ids], ends) if self.static is not None else None
@@ -240,9 +245,10 @@ class ModelRunner:
 
     def _in_parts(self, batch: ForwardBatch, parts: list[list[int]]) -> torch.Tensor:
         """``batch`` run as its ``parts`` (ForwardBatch.parts: the short queries in a decode or verify graph, each
-        prompt chunk in a prompt graph), its logits rows in ``batch``'s order. On 2 CPU cores (the embedded
-        target, prompts of ~120 tokens beside 7-63 sequences verifying 0-8 drafts each), one prompt: 31-89 ms
-        eager whole, 25-85 in parts; three: 61-131 against 61-125."""
+        prompt chunk in a prompt graph, or prompts alone as ForwardBatch.apart groups them), its logits rows in
+        ``batch``'s order. On 2 CPU cores (the embedded target, prompts of ~120 tokens beside 7-63 sequences
+        verifying 0-8 drafts each), one prompt: 31-89 ms eager whole, 25-85 in parts; three: 61-131 against
+        61-125."""
         rows: list[torch.Tensor] = [torch.empty(0)] * len(batch.token_ids)
         for part in parts:
             logits = self.forward(batch.part(part)).split([batch.logits_rows[i] for i in part])

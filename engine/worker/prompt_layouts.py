@@ -5,9 +5,10 @@ layout compiled 14.6 ms (a 300-token one 61.5 against 33.2; the embedded target)
 of a step is paid by the decoders that ride along with every prompt that arrives alone. One prompt per
 forward, fresh or after a cached prefix, alone or beside decoding and verifying sequences (as many drafts
 each, or padded to the most), within small_linear.SMALL_ROWS rows and past it (its two kernels are two
-graphs). A forward of two or more prompts beside short queries runs in parts (ModelRunner._in_parts); one
-of prompts alone runs eagerly. Their graphs live in a file of their own (graph_files.prompt_artifact), so that
-changing these layouts leaves the decode graphs shipped for every kind of CPU current. A server loads that file
+graphs). A forward of two or more prompts beside short queries runs in parts (ModelRunner._in_parts), as
+one of prompts alone does where two or more are past SMALL_ROWS (ForwardBatch.apart); others run eagerly.
+Their graphs live in a file of their own (graph_files.prompt_artifact), so that changing these layouts leaves
+the decode graphs shipped for every kind of CPU current. A server loads that file
 where it is current and never compiles it itself: ``make compile-cache`` does (precompile.compile_prompts).
 """
 

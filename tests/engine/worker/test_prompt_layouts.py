@@ -1,7 +1,8 @@
 """Prompt graphs (engine.worker.prompt_layouts): compiled ahead of time into a file of their own, loaded beside the
 decode graphs (precompile.add_prompts), run for one prompt chunk a forward with the eager forward's logits; a
-forward of a prompt no graph fits, or of two prompts, runs eagerly and is not counted as an uncompiled decode;
-prompts beside short queries that no graph serves whole run in parts (ModelRunner._in_parts), logits unchanged."""
+forward of a prompt no graph fits, or of two short prompts, runs eagerly and is not counted as an uncompiled
+decode; prompts beside short queries that no graph serves whole, and prompts alone two of which are past
+SMALL_ROWS, run in parts (ModelRunner._in_parts), logits unchanged."""
 
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ def test_a_prompt_beside_decoders_runs_its_graph_and_a_mix_no_graph_fits_runs_in
     source = ModelRunner.load(str(model_dir), "float32", "cpu")
     source.allocate_cache(3 * prompt_blocks(K, BLOCK), BLOCK)
     small_linear.install(source.model, KEYS)
-    # Three of the layouts, to keep the compile short: the first (its sizes static), a fresh prompt beside two
-    # decoders, and one after a cached prefix.
-    chosen = prompt_layouts(K, BLOCK, 3 * prompt_blocks(K, BLOCK))[:4]
+    # Four of the layouts, to keep the compile short: the first (its sizes static), a fresh prompt beside two
+    # decoders, one after a cached prefix, and a fresh one past SMALL_ROWS.
+    every_layout = prompt_layouts(K, BLOCK, 3 * prompt_blocks(K, BLOCK))
+    chosen = [*every_layout[:4], every_layout[5]]
     del chosen[1]
     every = aot_graphs.warm_up_layouts
     aot_graphs.warm_up_layouts = lambda *args: chosen
@@ -63,7 +65,7 @@ def test_a_prompt_beside_decoders_runs_its_graph_and_a_mix_no_graph_fits_runs_in
     runner.allocate_cache(64, BLOCK)
     graphs = aot_graphs.Precompiled(runner, pickle.dumps({"sources": [], "graphs": []}))  # no decode graph
     precompile.add_prompts(runner, graphs, KEYS, path)
-    assert len(graphs) == 3, "every chosen layout compiled"
+    assert len(graphs) == 4, "every chosen layout compiled"
     compiled = runner.compiled
     compiled.precompiled = graphs
     gen = torch.Generator().manual_seed(0)
@@ -94,8 +96,28 @@ def test_a_prompt_beside_decoders_runs_its_graph_and_a_mix_no_graph_fits_runs_in
     compiled_and_eager(ForwardBatch([tokens(SHORT - 20)], [CONTEXT + 4], [cached], [1]))
     calls, eager = compiled.calls, compiled.prompt_eager
     runner.forward(ForwardBatch([tokens(50), tokens(60)], [0, 0], [prompt, one], [1, 1]))
-    assert (compiled.calls, compiled.uncompiled) == (calls, 0), "two prompts: eager, not an uncompiled decode"
+    assert (compiled.calls, compiled.uncompiled) == (calls, 0), "two short prompts: eager, not an uncompiled decode"
     assert compiled.prompt_eager == eager + 1
+
+    # Prompts alone, two past SMALL_ROWS: each of those in its graph, the shorter one in its own. The second needs
+    # no logits (a chunk before its prompt's last): its graph keeps one row, dropped.
+    long = small_linear.SMALL_ROWS + 9
+    batch = ForwardBatch([tokens(long), tokens(long + 13), tokens(SHORT - 20)], [0, 0, CONTEXT + 4],
+                         [one, other, cached], [1, 0, 1])
+    assert batch.apart() == [[0], [1], [2]]
+    calls, served, eager = compiled.calls, compiled.prompt_compiled, compiled.prompt_eager
+    out = runner.forward(batch)
+    assert (compiled.calls, compiled.prompt_compiled, compiled.prompt_eager) == (calls + 3, served + 3, eager)
+    compiled.precompiled = None
+    try:
+        whole = runner.forward(batch)
+    finally:
+        compiled.precompiled = graphs
+    assert out.shape == (2, V)
+    torch.testing.assert_close(out, whole, rtol=1e-4, atol=1e-4)
+    served = compiled.prompt_compiled
+    assert runner.forward(ForwardBatch([tokens(long)], [0], [one], [0])).shape == (0, V)
+    assert compiled.prompt_compiled == served + 1, "a lone chunk that needs no logits ran its graph too"
 
     def in_parts(batch: ForwardBatch, prompts: int) -> None:
         served, eager, uncompiled = compiled.prompt_compiled, compiled.prompt_eager, compiled.uncompiled
