@@ -11,6 +11,11 @@ index learns a quiet request's output that much later). Probes and the first pla
 
 from __future__ import annotations
 
+import time
+
+from engine.speculative.ngram import LookupSource
+from engine.speculative.source import DraftSource
+from engine.speculative.suffix import SuffixSource
 from engine.types.sequence import Sequence
 
 QUIET = 0.1  # a lookup proposing on under this share of a sequence's recent asks (about 10 empty asks in a row)
@@ -32,3 +37,15 @@ def worth_asking(seqs: list[Sequence], lookups: list[str], thin: bool) -> list[S
         d.unasked = 0
         out.append(seq)
     return out
+
+
+def index_new(seqs: list[Sequence], lookups: list[DraftSource]) -> float:
+    """Indexes, in each lookup, the tokens of those of ``seqs`` it has not indexed yet (a new request's prompt);
+    the seconds it took. A request's prompt is indexed once, at its first ask, so that time is no price of asking:
+    priced as one, a probe over 31 new 320-token prompts (quoting, 32 concurrent, 2 CPU cores) took 25 ms of
+    lookups, the controller's price of asking rose, and speculation on prompts that copy was seldom planned."""
+    t0 = time.perf_counter()
+    for lookup in lookups:
+        if isinstance(lookup, (LookupSource, SuffixSource)):
+            lookup.index_new(seqs)
+    return time.perf_counter() - t0

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.speculative.asking import worth_asking
+from engine.speculative.asking import index_new, worth_asking
 from engine.speculative.controller import Decision, GoodputController
 from engine.speculative.eagle import EagleSource
 from engine.speculative.forced import FORCED, grammatical, with_forced
@@ -130,12 +130,13 @@ class Drafting:
             asking = worth_asking([seq for seq, a in zip(seqs, adaptive) if a], c.lookups, plan is None)
             self._dirty = True
             t0 = time.perf_counter()
+            indexing = index_new(asking, self.lookups)  # once a request: not a price of asking
             for lookup in self.lookups:
                 proposal = lookup.propose([DraftRequest(seq, self.config.k_max) for seq in asking])
                 for seq, tokens in zip(asking, proposal.tokens):
                     seq.draft.proposals[lookup.name] = tokens
             self._lookup_seconds = time.perf_counter() - t0
-            c.cost.lookup.observe(len(asking), self._lookup_seconds)
+            c.cost.lookup.observe(len(asking), self._lookup_seconds - indexing)
             plan = (c.again(seqs) if plan is None else None) or c.with_proposals(seqs, on, lags)
         c.decide(plan, asked)
         c.observe_use(plan, on, lags)
@@ -201,8 +202,7 @@ class Drafting:
         with_q = [(at, p.probs) for at, p in proposals if p.probs is not None]
         if not with_q:
             return Drafts(tokens, None)
-        first = with_q[0][1]
-        probs = first.new_zeros(len(scheduled), max(map(len, tokens)), vocab)  # [S, K, V]
+        probs = with_q[0][1].new_zeros(len(scheduled), max(map(len, tokens)), vocab)  # [S, K, V]
         for at, q in with_q:
             probs[at, : q.shape[1]] = q[:, : probs.shape[1]]
         for i, t in enumerate(tokens):

@@ -90,6 +90,12 @@ class LookupSource:
         return Proposal(tokens=[self._index(r.seq).lookup(r.seq.token_ids, r.max_drafts) for r in requests],
                         probs=None)
 
+    def index_new(self, seqs: list[Sequence]) -> None:
+        """Indexes the tokens of each of ``seqs`` not indexed yet, as its first lookup would."""
+        for seq in seqs:
+            if seq.draft.ngram is None:
+                self._index(seq)._extend(seq.token_ids)
+
     def _index(self, seq: Sequence) -> NgramIndex:
         d = seq.draft
         if d.ngram is None:

@@ -100,6 +100,12 @@ class SuffixSource:
         shared, shared_score = self.cache.index.draft(context, limit, MIN_PROB, FACTOR, OFFSET, self.min_match)
         return shared if shared_score > own_score else own
 
+    def index_new(self, seqs: list[Sequence]) -> None:
+        """Indexes the tokens of each of ``seqs`` not indexed yet, as its first draft would."""
+        for seq in seqs:
+            if not isinstance(seq.draft.suffix, RequestSuffix):
+                self._sync(seq, len(seq.token_ids) - 1)
+
     def release(self, seq: Sequence) -> None:
         """The request ended (finished, aborted or failed): the rest of its output enters the global index
         and its stream there becomes evictable; its own index goes with the sequence."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -171,3 +173,25 @@ def test_a_draft_forward_past_a_short_query_is_fitted_apart_from_the_compiled_on
         engine.step()
     assert fed["catch_ups"] and min(fed["catch_ups"]) > SHORT_QUERY, fed
     assert fed["drafters"] and max(fed["drafters"]) <= SHORT_QUERY, fed
+
+
+def test_indexing_a_new_requests_prompt_is_timed_with_the_lookups_but_not_priced_as_asking(model_sets, monkeypatch):
+    engine = engine_for(model_sets["llama"], None)
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    for lookup in engine.drafting.lookups:
+        index = lookup.index_new
+
+        def slow(seqs: list[Sequence], index=index) -> None:  # a long prompt's first indexing, many times over
+            time.sleep(0.05)
+            index(seqs)
+
+        monkeypatch.setattr(lookup, "index_new", slow)
+    seq = prefilled(engine, "new", REPEATING * 4, greedy)
+    assert seq.draft.ngram is None and seq.draft.suffix is None, "nothing indexed before the first ask"
+    engine.drafting.plan([seq])
+    assert seq.draft.ngram is not None and seq.draft.suffix is not None, "the first plan asked the lookups"
+    assert engine.drafting._lookup_seconds >= 0.1, "the step's lookup time holds the indexing"
+    assert engine.controller.cost.lookup(1) < 0.01, "the price of asking one sequence does not"
+    ngram = seq.draft.ngram
+    engine.drafting.lookups[0].index_new([seq])
+    assert seq.draft.ngram is ngram and ngram.tokens == seq.token_ids, "indexed once, as its lookup would"
