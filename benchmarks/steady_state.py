@@ -9,6 +9,8 @@ Two engines in one process, the default (hybrid, adaptive k) and no speculation,
 at once, as a loaded server sees them (a fixed LLM.generate batch instead drains to its slowest sequence;
 cost_breakdown.py measures that case). Rounds interleave the engines, each round on prompts not sent before.
 --prefill-hold-steps sets both engines' (0: every prompt admitted at once).
+Extraction's requests run under their JSON schema, as the server reads their response_format; agentic's
+conversations need compare.py.
 Per engine and kind of step (decode only or with a prompt chunk; the goodput controller's plain, probe or
 speculate): steps, milliseconds a step, of them the target's forward, the drafting (the drafters' forwards and
 proposals) and the rest (planning, lookups, verification, the scheduler), tokens emitted and sequences decoding a
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import platform
 import statistics
@@ -36,21 +39,32 @@ sys.path.insert(0, str(REPO_ROOT))
 from transformers import AutoTokenizer  # noqa: E402
 
 from benchmarks.peer_bench.prompts import PROMPT_SETS  # noqa: E402
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams, StepStats  # noqa: E402
+from benchmarks.peer_bench.workload import Request  # noqa: E402
+from engine import LLM, Constraint, EngineConfig, LLMEngine, SamplingParams, StepStats  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=128, temperature=0.0)
 
 
-def stream(llm: LLM, prompts: list[str], concurrency: int) -> tuple[float, list[tuple[StepStats, int]]]:
+def params_of(item: str | Request) -> SamplingParams:
+    """PARAMS, with a Request's response_format (extraction's JSON schema) as its constraint, as the server
+    builds it."""
+    fmt = item.extra.get("response_format") if isinstance(item, Request) else None
+    if fmt is None:
+        return PARAMS
+    return dataclasses.replace(PARAMS, constraint=Constraint.json_schema(fmt["json_schema"]["schema"], strict=False))
+
+
+def stream(llm: LLM, prompts: list[str | Request], concurrency: int) -> tuple[float, list[tuple[StepStats, int]]]:
     """Runs ``prompts`` with ``concurrency`` in flight; (wall seconds, every step's stats with the forwards it ran
     eagerly, the target's and the draft's)."""
     engine, pending, live, steps = llm.engine, iter(prompts), 0, []
 
     def admit() -> None:
         nonlocal live
-        prompt = next(pending, None)
-        if prompt is not None:
-            engine.add_prepared(f"steady-{time.perf_counter_ns()}", engine.prepare(prompt, PARAMS), PARAMS)
+        item = next(pending, None)
+        if item is not None:
+            params, prompt = params_of(item), item.prompt if isinstance(item, Request) else item
+            engine.add_prepared(f"steady-{time.perf_counter_ns()}", engine.prepare(prompt, params), params)
             live += 1
 
     for _ in range(concurrency):
@@ -92,8 +106,8 @@ def main() -> None:
     target, draft = str(args.pair / "target"), str(args.pair / "draft")
     tok = AutoTokenizer.from_pretrained(target)
     prompts = PROMPT_SETS[args.set](tok, args.requests * args.rounds)
-    if any(not isinstance(p, str) for p in prompts):  # extraction's schemas, agentic's turns: compare.py runs them
-        raise SystemExit(f"--set {args.set}: its requests are more than a prompt each")
+    if any(not isinstance(p, str | Request) for p in prompts):  # agentic's turns: compare.py runs them
+        raise SystemExit(f"--set {args.set}: its requests are conversations")
     hold = args.prefill_hold_steps
     llms = {"default": LLM(target, draft_model=draft, compile=args.compile, prefill_hold_steps=hold),
             "none": LLM(target, speculative_method="none", compile=args.compile, prefill_hold_steps=hold)}
