@@ -40,18 +40,20 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from benchmarks.peer_bench.prompts import PROMPT_SETS  # noqa: E402
 from benchmarks.peer_bench.workload import Request  # noqa: E402
-from engine import LLM, Constraint, EngineConfig, LLMEngine, SamplingParams, StepStats  # noqa: E402
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams, StepStats  # noqa: E402
+from server.protocol import ResponseFormat  # noqa: E402
+from server.structured import from_response_format  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=128, temperature=0.0)
 
 
 def params_of(item: str | Request) -> SamplingParams:
-    """PARAMS, with a Request's response_format (extraction's JSON schema) as its constraint, as the server
-    builds it."""
+    """PARAMS, with a Request's response_format (extraction's JSON schema) as its constraint, by the server's
+    own reading of it."""
     fmt = item.extra.get("response_format") if isinstance(item, Request) else None
     if fmt is None:
         return PARAMS
-    return dataclasses.replace(PARAMS, constraint=Constraint.json_schema(fmt["json_schema"]["schema"], strict=False))
+    return dataclasses.replace(PARAMS, constraint=from_response_format(ResponseFormat.model_validate(fmt)))
 
 
 def stream(llm: LLM, prompts: list[str | Request], concurrency: int) -> tuple[float, list[tuple[StepStats, int]]]:

@@ -20,6 +20,6 @@ def test_an_extraction_request_runs_under_its_response_format_schema_and_a_plain
     request = PROMPT_SETS["extraction"](tok, 2)[0]
     params = params_of(request)
     # Non-strict, as the server reads a json_schema response_format that leaves strict unset.
-    assert params.constraint == Constraint.json_schema(SCHEMA, strict=False)
+    assert params.constraint == Constraint.json_schema(SCHEMA, "response_format.json_schema.schema", strict=False)
     assert dataclasses.replace(params, constraint=None) == PARAMS
     assert params_of(PROMPT_SETS["quoting"](tok, 1)[0]) is PARAMS
