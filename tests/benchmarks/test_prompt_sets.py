@@ -129,6 +129,17 @@ def test_quoting_prompts_end_with_the_def_line_of_a_function_they_contain(tok):
         assert len(tok.encode(body)) >= 300
 
 
+def test_a_quoting_prompt_whose_last_line_is_long_is_cut_to_leave_room_for_the_copy(tok):
+    from peer_bench.heldout import context_of
+    from peer_bench.quoting import ROOM, fitted
+
+    text = "x = 1\ndef f(a):\n    return a\n" + "y = " + " + ".join(["1"] * 400)
+    prompt = fitted(tok, text, "def f(a):", "\n\n# the function f again:\ndef f(a):", context_of(tok) - ROOM)
+    assert len(tok.encode(prompt)) <= context_of(tok) - ROOM
+    assert prompt.startswith("x = 1\ndef f(a):\n    return a") and prompt.endswith("again:\ndef f(a):")
+    assert fitted(tok, "def f(a):\n    return a", "def f(a):", "\nask", 500) == "def f(a):\n    return a\nask"
+
+
 def test_a_looping_text_is_flagged_and_a_non_looping_one_is_not(tok):
     from peer_bench.loops import is_loop
 
