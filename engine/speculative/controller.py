@@ -4,21 +4,25 @@ finds the best plan). It replaces fixed thresholds: speculation turns down, then
 measured cost of a draft outweighs what it is expected to bring, and that point moves with the host, the
 forward in use and the batch.
 
-A plan is made twice, so that a step that will not speculate does no speculative work at all. First from what
-is known before any lookup is asked (each lookup's chance of proposing anything, what asking costs): if that
-plan is the plain step, no lookup is asked and no drafter runs. Otherwise the lookups are asked and the plan is
-made again from their real proposals. While speculation stays off, the lookups are still asked every
-``probe_interval`` steps, so that a request turning repetitive is noticed (their proposals are scored against
-what the step emits: evidence at the price of a lookup, without drafting); less often where asking them for the
-whole batch would cost more than ``probe_budget`` of the plain steps in between (measured: 64 sequences' asks
-took half a compiled plain step on 2 CPU cores, which a probe every 16 steps turned into a 3% loss). Spaced by
-their whole host time instead (6-17 ms of planning and asks for 64 sequences there), probes came less often and
-agentic conversations at 64 concurrent ran 5-10% slower: a probe is worth what it finds, which its cost alone
-does not say. A plain decision is planned again every ``replan_interval`` steps, less often where that planning,
-measured, costs more than ``probe_budget`` of the plain steps in between. A speculating step's asks are in no
-price (the step after one asks again before planning: about 0.8 ms for 32 sequences on 2 CPU cores);
-priced into every speculating plan, the server ran at 0.86x-1.09x of without (the median cell 0.955x) over code
-ending in a newline and random tokens at 1-64 concurrent, so they are left out.
+A plan is made twice, so that a step that will not speculate does no speculative work at all. First from what is
+known before any lookup is asked (each lookup's chance of proposing anything, what asking costs): if that plan is
+the plain step, no lookup is asked and no drafter runs. Otherwise the lookups are asked and the plan is made again
+from their real proposals. While speculation stays off, the lookups are still asked (a probe), so that a request
+turning repetitive is noticed (their proposals are scored against what the step emits: evidence at the price of a
+lookup, without drafting): as often as asking them for the whole batch costs at most ``probe_budget`` of the plain
+steps in between (64 sequences' asks took half a compiled plain step on 2 CPU cores: a probe every 50 steps there;
+one sequence's, a twentieth: every 4), and no more often than every ``probe_interval`` steps. A floor of 16 bound
+wherever asking was cheap (at 32 sequences too), a miss then costing 16 plain steps: lifted, batch 1 went from 1.49x
+to 1.53x of no speculation on random tokens, 1.28x to 1.46x on code ending in a newline, 1.96x to 1.99x on agentic
+turns, agentic at 8 in flight from 1.22x to 1.30x, and at 32 random tokens from 0.96x to 1.01x, quoting from 0.97x
+to 1.04x (rounds swing by 5% there; outputs identical; benchmarks/controller_ab.py --controller probe_interval=16,
+results/probe_floor.json). Spaced by their whole host time instead (6-17 ms of planning and asks for 64 sequences),
+probes came less often and agentic conversations at 64 ran 5-10% slower: a probe is worth what it finds, which its
+cost alone does not say. A plain decision is planned again every ``replan_interval`` steps, less often where that
+planning, measured, costs more than ``probe_budget`` of the plain steps in between. A speculating step's asks are in
+no price (the step after one asks again before planning: about 0.8 ms for 32 sequences on 2 CPU cores); priced into
+every speculating plan, the server ran at 0.86x-1.09x of without (the median cell 0.955x) over code ending in a
+newline and random tokens at 1-64 concurrent, so they are left out.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ def expected_drafts(plan: Plan, blocks: list[Block]) -> float:
 
 class GoodputController:
     def __init__(self, k_max: int, drafters: list[str], lookups: list[str], margin: float = 0.02,
-                 probe_interval: int = 16, replan_interval: int = 8, probe_budget: float = 0.01) -> None:
+                 probe_interval: int = 1, replan_interval: int = 8, probe_budget: float = 0.01) -> None:
         self.k_max = k_max
         self.drafters = drafters  # the sources that run a forward per draft position, in order
         self.lookups = lookups
@@ -211,7 +215,7 @@ class GoodputController:
         gains and what drafting costs are expected values, since nothing is drafted, verified or paid for where
         nothing is proposed; ``extra_fixed`` (asking) is paid either way. Priced whole, a lookup that proposed
         on a third of its asks cost as if it always drafted, and a sequence whose output had not yet begun to
-        repeat was left plain and unasked until a probe, 16 steps at a time."""
+        repeat was left plain and unasked until a probe."""
         gains = self.acceptance[name].gains(tracks, scale)  # [S, K]
         scale = np.broadcast_to(np.asarray(scale, dtype=float), (len(tracks),))  # [S]
         host = self.cost.host.per_sequence(name)

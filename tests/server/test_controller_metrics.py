@@ -59,4 +59,5 @@ def test_a_server_kept_on_the_plain_path_runs_no_draft_forward_and_verifies_no_d
     assert delta(first, after, "specd:spec_controller_steps_total", decision="speculate") == 0
     plain = delta(first, after, "specd:spec_controller_steps_total", decision="plain")
     probes = delta(first, after, "specd:spec_controller_steps_total", decision="probe")
-    assert plain > 0 and 0 < probes <= plain / 8, "the lookups are asked only every probe_interval steps"
+    # Asking one sequence's lookups costs a few percent of its plain step: at a budget of 1%, a probe every few.
+    assert plain > 0 and 0 < probes <= plain / 2, "the lookups are asked only on probes, spaced by their budget"

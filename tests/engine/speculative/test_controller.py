@@ -215,6 +215,7 @@ def plain_steps(c: GoodputController, seqs: list, planning: float = 0.0):  # noq
 
 def test_a_plain_decision_stands_a_few_steps_without_planning_again():
     c = controller(1e-2)  # nothing pays
+    c.probe_interval = 10_000  # no probe in the way
     step = plain_steps(c, batch(16))
     assert [step(8) for _ in range(9)] == ["planned"] + ["kept"] * 7 + ["planned"], "a plan every 8 steps"
     assert step(7) == "kept", "a request left: the decision stands"
@@ -309,6 +310,22 @@ def test_probes_thin_out_where_asking_the_whole_batch_costs_more_than_their_budg
     c._since_asked = 0
     gaps = np.diff(probes(200))
     assert len(gaps) and all(g == 40 for g in gaps), gaps
+
+
+def test_by_default_probes_come_as_often_as_their_budget_allows():
+    """No floor of steps between probes: where one sequence's asks cost 4.5% of a plain step, a budget of 1% of
+    the plain steps between probes asks them every 4 steps (a floor of 16 once left a batch of one plain for 16
+    steps after each miss)."""
+    c = controller(1e-2)
+    c.margin = float("inf")  # no plan is good enough: every step is plain
+    seqs, on, lags = batch(1), np.ones(1, dtype=bool), {"draft_model": np.zeros(1)}
+    plain = c.before_lookups(seqs, on, lags).plain_seconds
+    c.cost.lookup = type(c.cost.lookup)()
+    for n in (1, 8):
+        c.cost.lookup.observe(n, 0.045 * plain * n)
+    assert c.probe_budget == 0.01
+    probes = [i for i in range(16) if c.wants_lookups(c.before_lookups(seqs, on, lags))]
+    assert probes == [3, 7, 11, 15]
 
 
 def test_after_a_speculating_step_the_lookups_are_asked_without_a_plan_from_expectations():
