@@ -23,6 +23,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +32,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from transformers import AutoTokenizer  # noqa: E402
 
 from benchmarks.peer_bench.prompts import PROMPT_SETS  # noqa: E402
-from benchmarks.peer_bench.workload import Conversation, Request  # noqa: E402
+from benchmarks.peer_bench.workload import Conversation, Item, Request  # noqa: E402
 from benchmarks.steady_state import params_of  # noqa: E402
 from engine import LLM  # noqa: E402
 
@@ -45,7 +46,8 @@ def setting(text: str) -> tuple[str, float]:
     return name, float(value)
 
 
-def run(llm: LLM, items: list, concurrency: int, decode) -> tuple[float, int, list[list[list[int]]]]:  # noqa: ANN001
+def run(llm: LLM, items: list[Item], concurrency: int, decode: Callable[[list[int]], str]
+        ) -> tuple[float, int, list[list[list[int]]]]:
     """(wall seconds, tokens emitted, each item's token ids by turn) for ``items`` at ``concurrency`` in flight."""
     engine, pending, live, outputs, emitted = llm.engine, iter(enumerate(items)), {}, [[] for _ in items], 0
 

@@ -14,15 +14,15 @@ steps in between (64 sequences' asks took half a compiled plain step on 2 CPU co
 one sequence's, a twentieth: every 4), and no more often than every ``probe_interval`` steps. A floor of 16 bound
 wherever asking was cheap (at 32 sequences too), a miss then costing 16 plain steps: lifted, batch 1 went from 1.49x
 to 1.53x of no speculation on random tokens, 1.28x to 1.46x on code ending in a newline, 1.96x to 1.99x on agentic
-turns, agentic at 8 in flight from 1.22x to 1.30x, and at 32 random tokens from 0.96x to 1.01x, quoting from 0.97x
-to 1.04x (rounds swing by 5% there; outputs identical; benchmarks/controller_ab.py --controller probe_interval=16,
-results/probe_floor.json). Spaced by their whole host time instead (6-17 ms of planning and asks for 64 sequences),
-probes came less often and agentic conversations at 64 ran 5-10% slower: a probe is worth what it finds, which its
-cost alone does not say. A plain decision is planned again every ``replan_interval`` steps, less often where that
-planning, measured, costs more than ``probe_budget`` of the plain steps in between. A speculating step's asks are in
-no price (the step after one asks again before planning: about 0.8 ms for 32 sequences on 2 CPU cores); priced into
-every speculating plan, the server ran at 0.86x-1.09x of without (the median cell 0.955x) over code ending in a
-newline and random tokens at 1-64 concurrent, so they are left out.
+turns (through the server 2.01x to 1.92x), agentic at 8 in flight from 1.22x to 1.30x, and at 32 random tokens from
+0.96x to 1.01x, quoting from 0.97x to 1.04x (outputs identical; benchmarks/controller_ab.py --controller
+probe_interval=16, results/probe_floor.json). Spaced by their whole host time instead (6-17 ms of planning and asks
+for 64 sequences), probes came less often and agentic conversations at 64 ran 5-10% slower: a probe is worth what it
+finds, which its cost alone does not say. A plain decision is planned again every ``replan_interval`` steps, less
+often where that planning, measured, costs more than ``probe_budget`` of the plain steps in between. A speculating
+step's asks are in no price (the step after one asks again before planning: about 0.8 ms for 32 sequences on 2 CPU
+cores); priced into every speculating plan, the server ran at 0.86x-1.09x of without (the median cell 0.955x) over
+code ending in a newline and random tokens at 1-64 concurrent, so they are left out.
 """
 
 from __future__ import annotations
