@@ -2,11 +2,12 @@
 """A goodput-controller setting against the default and against no speculation, in one process.
 
     python benchmarks/controller_ab.py --set agentic --concurrency 1 --per-round 4 --rounds 6 \
-        --controller probe_interval=16
+        --controller probe_interval=16 [--engine max_lookup_tokens=8]
 
 Three engines on the embedded pair, all compiled before the first round: the default (hybrid, adaptive k), the
 default with its controller's attributes set by --controller NAME=VALUE (any of GoodputController's: a
-probe_interval, a probe_budget, a margin...), and --speculative-method none. Each keeps --concurrency requests in
+probe_interval, a probe_budget, a margin...) and its engine's options by --engine NAME=VALUE (an integer
+EngineConfig field), and --speculative-method none. Each keeps --concurrency requests in
 flight (a request that ends is replaced at once; an agentic conversation sends its next turn, built from the
 output, when a turn ends), greedy, 128 new tokens, each round on prompts not sent before, the engines' order
 turned every round. Prints each round's ratios over none and the ratio of median tokens/s; checks that the three
@@ -92,16 +93,22 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--per-round", type=int, default=8, help="prompts (conversations) a round")
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--controller", type=setting, action="append", required=True, metavar="NAME=VALUE")
+    ap.add_argument("--controller", type=setting, action="append", default=[], metavar="NAME=VALUE")
+    ap.add_argument("--engine", type=setting, action="append", default=[], metavar="NAME=VALUE")
+    ap.add_argument("--compile", choices=("start", "background"), default="start",
+                    help="background: only the graph files on disk (a host without its prompt graphs)")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "controller_ab.json")
     args = ap.parse_args()
+    if not args.controller and not args.engine:
+        ap.error("the variant needs a --controller or an --engine setting")
 
     tok = AutoTokenizer.from_pretrained(args.pair / "target")
     items = PROMPT_SETS[args.set](tok, args.per_round * args.rounds + 2)
     llms = {}
     for name in ENGINES:
-        llms[name] = LLM(str(args.pair / "target"), draft_model=str(args.pair / "draft"), compile="start",
-                         speculative_method="none" if name == "none" else "hybrid")
+        options = {key: int(value) for key, value in args.engine} if name == "variant" else {}
+        llms[name] = LLM(str(args.pair / "target"), draft_model=str(args.pair / "draft"), compile=args.compile,
+                         speculative_method="none" if name == "none" else "hybrid", **options)
     for attr, value in args.controller:
         if not hasattr(llms["variant"].engine.controller, attr):
             ap.error(f"--controller: the goodput controller has no {attr!r}")
@@ -125,15 +132,18 @@ def main() -> None:
     ratios = {name: median[name] / median["none"] for name in ("default", "variant")}
     print(f"{args.set} at {args.concurrency}, {args.rounds} rounds of {args.per_round}:"
           f" default {ratios['default']:.3f}x,"
-          f" variant ({', '.join(f'{a}={v:g}' for a, v in args.controller)}) {ratios['variant']:.3f}x of none;"
+          f" variant ({', '.join(f'{a}={v:g}' for a, v in [*args.controller, *args.engine])})"
+          f" {ratios['variant']:.3f}x of none;"
           f" same tokens: {same}")
     result = {"set": args.set, "concurrency": args.concurrency, "per_round": args.per_round, "rounds": args.rounds,
-              "controller": dict(args.controller), "tokens_per_second": dict(tps), "ratio_of_medians": ratios,
+              "controller": dict(args.controller), "engine": dict(args.engine), "compile": args.compile,
+              "tokens_per_second": dict(tps), "ratio_of_medians": ratios,
               "same_tokens": same, "host": platform.processor() or platform.machine()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.out.exists():  # one file, a run per (set, concurrency, setting)
-        runs = [r for r in json.loads(args.out.read_text()) if (r["set"], r["concurrency"], r["controller"])
-                != (args.set, args.concurrency, result["controller"])]
+        runs = [r for r in json.loads(args.out.read_text())
+                if (r["set"], r["concurrency"], r["controller"], r.get("engine", {}))
+                != (args.set, args.concurrency, result["controller"], result["engine"])]
     else:
         runs = []
     args.out.write_text(json.dumps([*runs, result], indent=1) + "\n")

@@ -51,9 +51,8 @@ class ServerConfig:
     """Every option of ``specd serve``, declared once: its type, default and help here; its flag, variable, YAML key
     and docs row derived (server.options). ``engine=True``: passed on to EngineConfig under the same name."""
 
-    model: str | None = option(
-        None, "target model: a directory or a hub id", engine=True, shown_default="the embedded pair"
-    )
+    model: str | None = option(None, "target model: a directory or a hub id", engine=True,
+                               shown_default="the embedded pair")
     draft_model: str | None = option(
         None, "a draft model sharing the target's tokenizer, or an EAGLE-3 head for the target", engine=True,
         shown_default="the embedded draft without `--model`, else none",
@@ -71,11 +70,13 @@ class ServerConfig:
     )
     num_speculative_tokens: int | None = option(
         None, "drafts per step, 0..16, or `adaptive`: chosen per sequence per step", none_words=("adaptive", "auto"),
-        metavar="K", engine=True, shown_default="`adaptive`",
-    )
+        metavar="K", engine=True, shown_default="`adaptive`")
     max_speculative_tokens: int = option(
-        8, "with adaptive k: the most drafts a sequence gets in a step, 1..16 (the shipped graphs are for 8: "
-        "another K compiles its own)", metavar="K", engine=True)
+        8, "with adaptive k: the most drafts a model drafter gives a sequence in a step, 1..16 (the shipped graphs "
+        "are for 8: another K compiles its own)", metavar="K", engine=True)
+    max_lookup_tokens: int = option(
+        24, "with adaptive k: the most drafts prompt lookup or suffix decoding gives a sequence in a step, 1..31 (at "
+        "least `--max-speculative-tokens`; no forward drafts them)", metavar="K", engine=True)
     suffix_cache_requests: int = option(
         1000, "suffix decoding: keep the outputs of this many recently ended requests to draft from", metavar="N",
         engine=True)
@@ -129,8 +130,7 @@ class ServerConfig:
         8 * 2**20, "largest request body in bytes; larger ones get 413", shown_default="8388608 (8 MiB)"
     )
     request_timeout: float | None = option(
-        None, "seconds before an unfinished request is aborted with a 504", shown_default="none: no deadline"
-    )
+        None, "seconds before an unfinished request is aborted with a 504", shown_default="none: no deadline")
     host: str = option("127.0.0.1", "bind address; `0.0.0.0` to listen on every interface")
     port: int = option(8000, "TCP port to listen on")
     api_key: str | None = option(None, "require `Authorization: Bearer KEY` on `/v1/*`", metavar="KEY")

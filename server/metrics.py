@@ -40,7 +40,7 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                480.0, 960.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 GRAMMAR_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
-MAX_ACCEPTED_LENGTH = 17  # k <= 16: 1..17 tokens per verify step, one bucket each
+MAX_ACCEPTED_LENGTH = 32  # k <= 31 (a lookup, --max-lookup-tokens): 1..32 tokens a verify step, one bucket each
 
 
 def draft_methods(engine: LLMEngine) -> list[str]:

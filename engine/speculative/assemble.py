@@ -42,7 +42,8 @@ def make_drafting(config: EngineConfig, target: ModelRunner, draft: ModelRunner 
         lookups.append(SuffixSource(config.suffix_cache_requests, config.suffix_max_draft, 2 if strict else 1))
     if config.num_speculative_tokens is not None:
         return Drafting(config, [source for source, _ in drafters], lookups, None)
-    controller = GoodputController(config.k_max, [s.name for s, _ in drafters], [s.name for s in lookups])
+    controller = GoodputController(config.k_max, [s.name for s, _ in drafters], [s.name for s in lookups],
+                                   lookup_k_max=config.max_lookup_tokens, rows=config.max_num_seqs * (config.k_max + 1))
     assert target.cache is not None
     profile = partial(calibrate, controller, target, {s.name: r for s, r in drafters}, config.block_size,
                       config.max_num_batched_tokens, max_seqs=config.max_num_seqs)

@@ -9,20 +9,15 @@ known before any lookup is asked (each lookup's chance of proposing anything, wh
 the plain step, no lookup is asked and no drafter runs. Otherwise the lookups are asked and the plan is made again
 from their real proposals. While speculation stays off, the lookups are still asked (a probe), so that a request
 turning repetitive is noticed (their proposals are scored against what the step emits: evidence at the price of a
-lookup, without drafting): as often as asking them for the whole batch costs at most ``probe_budget`` of the plain
-steps in between (64 sequences' asks took half a compiled plain step on 2 CPU cores: a probe every 50 steps there;
-one sequence's, a twentieth: every 4), and no more often than every ``probe_interval`` steps. A floor of 16 bound
-wherever asking was cheap (at 32 sequences too), a miss then costing 16 plain steps: lifted, batch 1 went from 1.49x
-to 1.53x of no speculation on random tokens, 1.28x to 1.46x on code ending in a newline, 1.96x to 1.99x on agentic
-turns (through the server 2.01x to 1.92x), agentic at 8 in flight from 1.22x to 1.30x, and at 32 random tokens from
-0.96x to 1.01x, quoting from 0.97x to 1.04x (outputs identical; benchmarks/controller_ab.py --controller
-probe_interval=16, results/probe_floor.json). Spaced by their whole host time instead (6-17 ms of planning and asks
-for 64 sequences), probes came less often and agentic conversations at 64 ran 5-10% slower: a probe is worth what it
-finds, which its cost alone does not say. A plain decision is planned again every ``replan_interval`` steps, less
-often where that planning, measured, costs more than ``probe_budget`` of the plain steps in between. A speculating
-step's asks are in no price (the step after one asks again before planning: about 0.8 ms for 32 sequences on 2 CPU
-cores); priced into every speculating plan, the server ran at 0.86x-1.09x of without (the median cell 0.955x) over
-code ending in a newline and random tokens at 1-64 concurrent, so they are left out.
+lookup): as often as asking for the whole batch costs at most ``probe_budget`` of the plain steps in between (on 2
+CPU cores every 50 steps at 64 sequences, every 4 at one), and no more often than every ``probe_interval``. A floor
+of 16 steps cost batch 1 a tenth on code ending in a newline (1.28x against 1.46x of no speculation; at 32 random
+tokens 0.96x against 1.01x: benchmarks/controller_ab.py, results/probe_floor.json); spaced by their whole host time
+instead, probes came less often and agentic conversations at 64 ran 5-10% slower: a probe is worth what it finds.
+A plain decision is planned again every ``replan_interval`` steps, less often where that planning costs more than
+``probe_budget`` of the plain steps between. A speculating step's asks are in no price (about 0.8 ms for 32
+sequences on 2 CPU cores); priced into every speculating plan, the server ran at 0.86x-1.09x of without (median
+0.955x) over code ending in a newline and random tokens at 1-64 concurrent.
 """
 
 from __future__ import annotations
@@ -62,12 +57,15 @@ def expected_drafts(plan: Plan, blocks: list[Block]) -> float:
 
 class GoodputController:
     def __init__(self, k_max: int, drafters: list[str], lookups: list[str], margin: float = 0.02,
-                 probe_interval: int = 1, replan_interval: int = 8, probe_budget: float = 0.01) -> None:
-        self.k_max = k_max
+                 probe_interval: int = 1, replan_interval: int = 8, probe_budget: float = 0.01,
+                 lookup_k_max: int = 0, rows: int = 0) -> None:
+        self.k_max, self.lookup_k_max = k_max, max(k_max, lookup_k_max)  # a model drafter's and a lookup's most drafts
+        self.rows = rows  # the most rows a step's verify may feed (its logits: the memory plan's), 0: no bound
         self.drafters = drafters  # the sources that run a forward per draft position, in order
         self.lookups = lookups
         self.cost = StepCostModel(drafters)
-        self.acceptance = {name: SourceAcceptance(k_max, explore=0.5 if name in drafters else 0.0)
+        self.acceptance = {name: SourceAcceptance(self.lookup_k_max if name in lookups else k_max,
+                                                  explore=0.5 if name in drafters else 0.0)
                            for name in (*drafters, *lookups)}
         # The plan must beat the plain step by this much: the model's own error should not turn into a loss.
         self.margin = margin
@@ -96,20 +94,29 @@ class GoodputController:
         ``lags``: each model drafter's catch-up [S]."""
         look_a, look_b = self.cost.lookup.coefficients()
         blocks = self._drafter_blocks(seqs, adaptive, lags)
-        caps = np.where(adaptive, self.k_max, 0)
+        caps = np.where(adaptive, self.lookup_cap(len(seqs)), 0)
         for name in self.lookups:
             tracks = [seq.draft.track(name) for seq in seqs]
             scale = np.array([t.proposes for t in tracks])
             blocks.append(self._block(name, tracks, caps, scale, look_b))
         return self._solve(seqs, blocks, look_a if self.lookups else 0.0)
 
+    def lookup_cap(self, num_seqs: int) -> int:
+        """The most drafts a lookup may give one of ``num_seqs`` sequences: k_max, and past it a share of one
+        sequence's reach to ``lookup_k_max`` (the rows a step spends past k_max stay one long draft's, shared),
+        within ``rows``. A lookup's drafts cost no forward, and a copying request's hold long: with hindsight they
+        bound agentic turns alone at 3.02x within 8 drafts, 3.89x within 24 (benchmarks/draft_oracle.py). At 8 in
+        flight, each reaching 24 ran at 0.91x of 8: a row is dearer beside a plain token's share of the step."""
+        n = max(1, num_seqs)
+        reach = self.k_max + (self.lookup_k_max - self.k_max) // n
+        return max(self.k_max, min(reach, self.rows // n - 1 if self.rows else reach))
+
     def still_plain(self, num_seqs: int, fresh: bool = False) -> bool:
         """Whether the last plain decision stands for this step without planning again: no probe due, planned
         fewer than ``replan_interval`` steps ago (more where planning costs more than ``probe_budget`` of the
         plain steps between), and no ``fresh`` sequence (one never planned for: a new request may repeat its
-        prompt from its first token, and its lookups are asked at once). Planning costs host time of its own,
-        which a plain step would otherwise pay every step (a compiled decode step of a small model is a few
-        milliseconds: a plan is a tenth of one). A batch that only lost requests keeps the decision."""
+        prompt from its first token, and its lookups are asked at once). Planning costs host time (a tenth of a
+        compiled decode step of a small model). A batch that only lost requests keeps the decision."""
         replan = max(self.replan_interval, self._spacing(self.planning, num_seqs))
         if (self.decision.mode == SPECULATE or fresh or self._planned_for < 0 or self._since_planned + 1 >= replan
                 or self._since_asked + 1 >= self._interval):
@@ -142,13 +149,10 @@ class GoodputController:
     def again(self, seqs: list[Sequence]) -> Plan | None:
         """The last plan made from real proposals once more, the step after it speculated, where that plan was not
         itself taken again: each sequence it planned for keeps its source and k, a lookup's k cut to what it
-        proposes now (nothing: no drafts); one that joined since (its prompt just prefilled) drafts nothing
-        until the next step plans. None where the plan must be made (``with_proposals``). Made every
-        speculating step, the plan cost 1.4 ms of the host's time at 8 sequences on 2 CPU cores (the solver
-        0.46 ms, the sources' options 0.6), 15% of a 9.7 ms step; a step later, the batch, its acceptance and
-        the step-cost model have moved by one step's evidence. Kept to an unchanged batch, it was taken again on
-        9 of 45 such steps of code at 8 concurrent (a request ending or joining changes it that often); for the
-        sequences it planned, on 31 of 63."""
+        proposes now (nothing: no drafts); one that joined since drafts nothing until the next step plans. None
+        where the plan must be made (``with_proposals``). Made every speculating step, the plan cost 15% of a
+        9.7 ms step at 8 sequences on 2 CPU cores (the solver 0.46 ms, the sources' options 0.6); a step later,
+        the batch, its acceptance and the cost model have moved by one step's evidence."""
         last = self._last
         if self._reused or last is None or self.decision.mode != SPECULATE or last[1].speedup <= 1.0 + self.margin:
             self._reused = False
@@ -172,7 +176,8 @@ class GoodputController:
             for seq, track, n, a in zip(seqs, tracks, lengths.tolist(), adaptive.tolist()):
                 if a and name in seq.draft.proposals:  # asked (engine.speculative.asking)
                     track.proposes = 0.8 * track.proposes + (0.2 if n else 0.0)
-            blocks.append(self._block(name, tracks, np.where(adaptive, np.minimum(lengths, self.k_max), 0)))
+            caps = np.where(adaptive, np.minimum(lengths, self.lookup_cap(len(seqs))), 0)
+            blocks.append(self._block(name, tracks, caps))
         plan = self._solve(seqs, blocks, 0.0)
         self._last = ({seq.request_id: c for seq, c in zip(seqs, plan.choices)}, plan) if plan.speculates else None
         return plan
@@ -200,8 +205,7 @@ class GoodputController:
         self.planning.observe(num_seqs, seconds)
 
     def _spacing(self, cost: LinearCost, num_seqs: int) -> int:
-        """Steps between two of what ``cost`` prices, so that it spends at most ``probe_budget`` of the plain
-        steps in between."""
+        """Steps between two of what ``cost`` prices, so that it spends at most ``probe_budget`` of the steps."""
         if not cost.ready or self._plain_seconds <= 0.0:
             return 0
         return int(cost(num_seqs) / (self.probe_budget * self._plain_seconds))
@@ -240,13 +244,9 @@ class GoodputController:
     def _long_catch_ups(self, block: Block, seqs: list[Sequence], lag: np.ndarray) -> Block:
         """``block`` with each long catch-up (``lag`` [S] past a short query: an eager forward) priced by the
         drafter's eager forwards and spread over the steps its request has left that the drafter will draft in (at
-        the share of caught-up sequences plans give it: ``observe_use``). It is paid once, and every later step of
-        the request can draft from a current cache; priced whole at one step, it never paid: a request's first
-        draft catches up on its whole prompt, and while the drafter sat out its lag only grew. On code prompts at
-        batch 1 the draft model alone then ran at 1.05x no speculation, 1.55x with its catch-ups spread over every
-        step left, and the default at 1.82x and 2.39x (embedded pair, 2 CPU cores, 5 rounds:
-        benchmarks/results/catch_up_spread.json). Under load, where a caught-up sequence is seldom given the
-        drafter, that share keeps the catch-ups it would waste priced near whole."""
+        the share of caught-up sequences plans give it: ``observe_use``). It is paid once; priced whole at one step,
+        it never paid (a first draft catches up on the whole prompt): on code at batch 1 the draft model alone ran
+        at 1.05x no speculation, 1.55x spread, the default 1.82x and 2.39x (results/catch_up_spread.json)."""
         name = block.source
         short = self.cost.drafters[name]
         a, b = (self.cost.catch_ups[name] if self.cost.catch_ups[name].ready else short).coefficients()
@@ -275,7 +275,7 @@ class GoodputController:
         n, context, target = len(seqs), sum(s.num_tokens for s in seqs) / 1000.0, self.cost.target
         if n == 1:
             t0 = target(1.0, context)
-            one = solve_one(t0, blocks, per_forward, self.k_max,
+            one = solve_one(t0, blocks, per_forward, self.lookup_cap(1),
                             lambda more: np.where(more > 0, target.many(1.0 + more, context, True) - t0, 0.0),
                             self.margin, step_fixed + host_a)
             self._drafts = sum(k for _, k in one.choices) or self._drafts
@@ -286,7 +286,7 @@ class GoodputController:
         for around in (guess, guess * 2 if self._turn else max(1, guess // 2)):
             plain, jump, per_token = target.linearize(n, context, around)
             priced = [replace(b, per_draft=b.per_draft + b.chance * per_token) for b in blocks]
-            plan = solve(n, plain, priced, per_forward, self.k_max, 0.0, step_fixed + host_a + jump)
+            plan = solve(n, plain, priced, per_forward, self.lookup_cap(n), 0.0, step_fixed + host_a + jump, self.k_max)
             drafts = expected_drafts(plan, priced)
             if drafts:
                 exact = plan.seconds - jump - per_token * drafts + target.extra(n, context, drafts)

@@ -1,5 +1,4 @@
-"""Per step and per decoding sequence: where its drafts come from and how many; then the drafts
-themselves; then what the step taught about each source.
+"""Per step and per decoding sequence: where its drafts come from and how many, the drafts, what the step taught.
 
 Sources sit behind one Protocol (engine.speculative.source): the lookups, prompt lookup and suffix decoding
 (cheap: asked for their proposals while planning, when the plan may use them), the draft model and the
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.layers.attention_metadata import SHORT_QUERY
 from engine.speculative.asking import index_new, worth_asking
 from engine.speculative.controller import Decision, GoodputController
 from engine.speculative.eagle import EagleSource
@@ -109,9 +109,9 @@ class Drafting:
         if source.name in d.proposals:
             d.lookup = d.proposals[source.name]
         if k and source is not FORCED and seq.grammar is not None and self.config.grammar_drafts:
-            # Room for what the grammar forces after these drafts (a key after a value): certain
-            # once the drafts before them are accepted, so free beside them.
-            d.extend = self.config.k_max
+            # Room for what the grammar forces after these drafts (a key after a value): certain once the drafts
+            # before them are accepted, so free beside them; within a short query (a lookup's k may pass k_max).
+            d.extend = max(0, min(self.config.k_max, SHORT_QUERY - 1 - k))
             d.k += d.extend
 
     def _plan_adaptive(self, seqs: list[Sequence], adaptive: list[bool]) -> None:
@@ -132,7 +132,7 @@ class Drafting:
             t0 = time.perf_counter()
             indexing = index_new(asking, self.lookups)  # once a request: not a price of asking
             for lookup in self.lookups:
-                proposal = lookup.propose([DraftRequest(seq, self.config.k_max) for seq in asking])
+                proposal = lookup.propose([DraftRequest(seq, c.lookup_cap(len(seqs))) for seq in asking])
                 for seq, tokens in zip(asking, proposal.tokens):
                     seq.draft.proposals[lookup.name] = tokens
             self._lookup_seconds = time.perf_counter() - t0

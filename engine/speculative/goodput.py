@@ -63,9 +63,11 @@ def plain(num_seqs: int, plain_seconds: float) -> Plan:
 
 
 def solve(num_seqs: int, plain_seconds: float, blocks: list[Block], drafter_costs: tuple[float, ...], k_max: int,
-          margin: float = 0.0, step_fixed: float = 0.0) -> Plan:
+          margin: float = 0.0, step_fixed: float = 0.0, drafter_k_max: int | None = None) -> Plan:
     """The plan with the highest expected tokens per second, if it beats the plain step's rate by more than
-    ``margin`` (a relative safety margin for the model's errors); the plain step otherwise."""
+    ``margin`` (a relative safety margin for the model's errors); the plain step otherwise. ``k_max``: the most
+    drafts of any source; ``drafter_k_max``: of a model drafter (k_max if None), whose blocks' caps keep within it
+    and whose gains may stop there."""
     base = plain(num_seqs, plain_seconds)
     if not blocks or num_seqs == 0 or k_max <= 0:
         return base
@@ -75,11 +77,13 @@ def solve(num_seqs: int, plain_seconds: float, blocks: list[Block], drafter_cost
     cost = np.zeros((S, M, K + 1))  # [S, M, K+1]: f + k c for k > 0
     for m, b in enumerate(blocks):
         g = np.cumsum(b.gains[:, :K], axis=1)
+        g = np.pad(g, ((0, 0), (0, K - g.shape[1])), mode="edge")  # past a drafter's gains: past its cap too
         gain[:, m, 1:] = np.where(ks[None, :] <= b.caps[:, None], g, -np.inf)
         cost[:, m, 1:] = b.fixed[:, None] + b.per_draft[:, None] * ks[None, :]
     a = np.asarray(drafter_costs, dtype=float)
     D = len(a)
-    combos = list(itertools.product(range(K + 1), repeat=D))  # K_d per model drafter, smallest first
+    KD = K if drafter_k_max is None else min(K, drafter_k_max)
+    combos = list(itertools.product(range(KD + 1), repeat=D))  # K_d per model drafter, smallest first
     grid = np.array(combos, dtype=int).reshape(len(combos), D)  # [Gr, D]
     # The cap of each source under each grid point: K_d for a model drafter, k_max for a lookup.
     caps = np.array([grid[:, b.drafter] if b.drafter is not None else np.full(len(grid), K) for b in blocks])  # [M, Gr]

@@ -50,6 +50,9 @@ class EngineConfig:
     # None = adaptive: choose k per sequence per step from acceptance and measured costs.
     num_speculative_tokens: int | None = None
     max_speculative_tokens: int = 8  # upper bound of the adaptive search
+    # A lookup's (prompt lookup, suffix decoding) under adaptive k, at least max_speculative_tokens: its drafts cost no
+    # forward. At most 31: a sequence feeding more than a short query's 32 tokens is a prompt chunk's forward.
+    max_lookup_tokens: int = 24
     ngram_max: int = 4  # n-gram lookup tries n = ngram_max .. ngram_min
     ngram_min: int = 1
     # Suffix decoding's global index keeps the outputs of this many recently ended requests. 1000, not vLLM's 10,000:
@@ -127,6 +130,8 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.max_speculative_tokens <= 16:
             raise ValueError(f"max_speculative_tokens must be in [1, 16], got {self.max_speculative_tokens}")
+        if not 1 <= self.max_lookup_tokens <= 31:
+            raise ValueError(f"max_lookup_tokens must be in [1, 31], got {self.max_lookup_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.suffix_cache_requests < 0:

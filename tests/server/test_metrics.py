@@ -360,13 +360,15 @@ def test_mean_k_is_drafts_per_decoding_sequence_and_prefill_only_steps_do_not_co
 
 def test_accepted_length_histogram_has_one_cumulative_bucket_per_length():
     m = Metrics("m", clock=Clock())
-    m.observe_step(step_stats(num_drafts=4, accepted_lengths=(3, 1, 5, 20)), [])  # 20 > 17: only in +Inf
+    # 20: a lookup's long draft (past k_max), in its own bucket; 40 > 32: only in +Inf
+    m.observe_step(step_stats(num_drafts=5, accepted_lengths=(3, 1, 5, 20, 40)), [])
     s = Scrape(m.render().decode())
     buckets = {x.labels["le"]: x.value for x in s.samples if x.name == "specd:spec_decode_accepted_length_bucket"}
-    assert list(buckets) == [f"{n}.0" for n in range(1, 18)] + ["+Inf"]
-    assert [buckets[le] for le in ("1.0", "2.0", "3.0", "4.0", "5.0", "17.0", "+Inf")] == [1, 1, 2, 2, 3, 3, 4]
-    assert s.value("specd:spec_decode_accepted_length_count") == 4
-    assert s.value("specd:spec_decode_accepted_length_sum") == 29
+    assert list(buckets) == [f"{n}.0" for n in range(1, 33)] + ["+Inf"]
+    got = [buckets[le] for le in ("1.0", "2.0", "3.0", "4.0", "5.0", "19.0", "20.0", "32.0", "+Inf")]
+    assert got == [1, 1, 2, 2, 3, 3, 4, 4, 5]
+    assert s.value("specd:spec_decode_accepted_length_count") == 5
+    assert s.value("specd:spec_decode_accepted_length_sum") == 69
 
 
 def test_mean_accepted_length_with_no_drafts_is_the_same_in_log_and_metrics():

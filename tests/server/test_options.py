@@ -87,6 +87,8 @@ def test_engine_options_are_engine_config_fields_with_the_same_defaults():
         # EngineConfig's own checks, told where the value came from too.
         ([], {"SPECD_NUM_SPECULATIVE_TOKENS": "17"}, "", r"num_speculative_tokens must be in \[0, 16\], got 17 "
          r"\(from SPECD_NUM_SPECULATIVE_TOKENS\)"),
+        (["--max-lookup-tokens", "32"], {}, "", r"max_lookup_tokens must be in \[1, 31\], got 32 "
+         r"\(from --max-lookup-tokens\)"),
         (["--device-map", "everywhere"], {}, "", r"device_map must be one of .* \(from --device-map\)"),
     ],
 )

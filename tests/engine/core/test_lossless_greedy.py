@@ -109,6 +109,31 @@ def test_greedy_across_the_plain_fast_path_and_back_equals_target_alone(method, 
     assert llm.stats().num_draft_tokens > 0, "speculation never ran, so this test proved nothing"
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix", "hybrid"])
+def test_greedy_with_lookups_drafting_past_k_max_equals_target_alone(method, model_sets, references, tokenizer_dir):
+    """Under adaptive k a lookup may give a sequence up to max_lookup_tokens drafts, past max_speculative_tokens,
+    which still bounds the draft model's: long one-hot drafts verify exactly, beside the model's in one step."""
+    ms = model_sets["llama"]
+    llm = LLM(model=str(ms.target), draft_model=str(ms.draft) if method == "hybrid" else None,
+              speculative_method=method, max_speculative_tokens=2, max_lookup_tokens=12, **GREEDY_ENGINE,
+              block_size=WARM_BLOCK)
+    flip_plain_and_speculative(llm.engine)  # drafts free every other step: the longest proposal is planned
+    drafting, propose, longest = llm.engine.drafting, llm.engine.drafting.propose, {}
+
+    def measured(scheduled, vocab):  # noqa: ANN001, ANN202
+        drafts = propose(scheduled, vocab)
+        for s, tokens in zip(scheduled, drafts.tokens):
+            name = s.seq.draft.source
+            longest[name] = max(longest.get(name, 0), len(tokens))
+        return drafts
+
+    drafting.propose = measured
+    run_batches(llm, references["llama"], prompts_for(tokenizer_dir), f"llama/{method}/past k_max")
+    lookups = [n for n in ("ngram", "suffix") if n in longest]
+    assert lookups and max(longest[n] for n in lookups) > 2, longest
+    assert longest.get("draft_model", 0) <= 2, longest
+
+
 @pytest.mark.parametrize("method", ["draft_model", "self", "eagle"])
 def test_greedy_with_rows_cut_after_an_unsure_draft_equals_target_alone(method, model_sets, eagle_heads, references,
                                                                         tokenizer_dir, monkeypatch):

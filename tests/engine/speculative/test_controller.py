@@ -16,10 +16,10 @@ from engine.types.sampling_params import SamplingParams
 from engine.types.sequence import Sequence
 
 
-def controller(per_token: float, alpha: float = 0.7, k_max: int = 4) -> GoodputController:
+def controller(per_token: float, alpha: float = 0.7, k_max: int = 4, **kw: int) -> GoodputController:
     """A target step of 10 ms + ``per_token`` s per token fed, a draft forward of 1 ms + 50 us per token, host
-    work 50 us per sequence; the draft model's drafts held at ``alpha``."""
-    c = GoodputController(k_max, ["draft_model"], ["ngram"])
+    work 50 us per sequence; the draft model's drafts held at ``alpha``. ``kw``: GoodputController's."""
+    c = GoodputController(k_max, ["draft_model"], ["ngram"], **kw)
     sizes = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513)
     c.cost.target.set_profile([(n, 0.0, 0.010 + per_token * n) for n in sizes])
     for fit, a, b in ((c.cost.drafters["draft_model"], 1e-3, 5e-5), (c.cost.lookup, 0.0, 5e-5)):
@@ -374,3 +374,27 @@ def test_a_batch_of_one_gets_the_best_source_and_k_on_its_own_cost_model():
             want = (None, 0)
         assert plan.choices == (want,), proposed
     assert plan.choices[0][0] == "ngram", "four lookup drafts at 0.8 beat the draft model's forwards"
+
+
+def test_a_lookup_drafts_past_k_max_within_the_steps_rows_and_the_draft_model_never_does():
+    """lookup_k_max 12 beside k_max 4, and 40 rows a step: one sequence copying its prompt gets all 12 of its
+    lookup's drafts held at 0.95; without a proposal the draft model drafts at most 4; a batch shares the 8 drafts
+    past k_max, and eight sequences the rows, so each lookup gets at most 4 there (never fewer than k_max)."""
+    c = controller(2e-5, alpha=0.95, lookup_k_max=12, rows=40)
+    assert [c.lookup_cap(n) for n in (1, 2, 4, 8, 64)] == [12, 8, 6, 4, 4]
+    assert GoodputController(4, [], ["ngram"], lookup_k_max=12).lookup_cap(3) == 6, "no rows: no bound of theirs"
+    assert c.acceptance["ngram"].k_max == 12 and c.acceptance["draft_model"].k_max == 4
+    hold(c, "ngram", 0.95, 12, seed=1)
+    lags = {"draft_model": np.zeros(1)}
+    one = batch(1)
+    one[0].draft.proposals = {"ngram": list(range(100, 120))}
+    assert c.with_proposals(one, np.ones(1, dtype=bool), lags).choices == (("ngram", 12),)
+    one[0].draft.proposals = {"ngram": []}
+    src, k = c.with_proposals(one, np.ones(1, dtype=bool), lags).choices[0]
+    assert src == "draft_model" and 1 <= k <= 4
+    eight = batch(8)
+    for s in eight:
+        s.draft.proposals = {"ngram": list(range(100, 120))}
+    plan = c.with_proposals(eight, np.ones(8, dtype=bool), {"draft_model": np.zeros(8)})
+    assert plan.speculates and all(k <= 4 for _, k in plan.choices)
+    assert sum(1 + k for _, k in plan.choices) <= 40

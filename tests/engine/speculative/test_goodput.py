@@ -25,13 +25,16 @@ class Option:
 
 
 def solve_options(num_seqs, plain_seconds, options, drafter_costs, k_max, **kw):
-    """The solver over the options gathered into one block per source."""
+    """The solver over the options gathered into one block per source (a model drafter's gains as wide as its
+    cap, ``drafter_k_max``, where one is given)."""
     blocks = []
     for source in dict.fromkeys(o.source for o in options):
-        gains, caps = np.zeros((num_seqs, k_max)), np.zeros(num_seqs, dtype=int)
+        model = any(o.drafter is not None for o in options if o.source == source)
+        width = min(k_max, kw.get("drafter_k_max") or k_max) if model else k_max
+        gains, caps = np.zeros((num_seqs, width)), np.zeros(num_seqs, dtype=int)
         per_draft, fixed, drafter = np.zeros(num_seqs), np.zeros(num_seqs), None
         for o in (o for o in options if o.source == source):
-            cap = min(len(o.gains), k_max)
+            cap = min(len(o.gains), width)
             gains[o.seq, :cap], caps[o.seq] = o.gains[:cap], cap
             per_draft[o.seq], fixed[o.seq], drafter = o.per_draft, o.fixed, o.drafter
         blocks.append(Block(source, gains, caps, per_draft, fixed, drafter))
@@ -87,6 +90,26 @@ def test_the_solver_finds_the_brute_force_optimum(num_drafters):
         want = brute_force(num_seqs, plain_seconds, options, drafter_costs, k_max)
         assert plan.tokens / plan.seconds == pytest.approx(want, rel=1e-9), case
         assert len(plan.choices) == num_seqs
+
+
+@pytest.mark.parametrize("num_drafters", [1, 2])
+def test_lookups_past_the_model_drafters_cap_get_the_brute_force_optimum(num_drafters):
+    """A lookup may take up to k_max drafts while a model drafter stops at drafter_k_max (its forwards are
+    enumerated only that far): the plan is still the best over every assignment within those caps."""
+    rng = random.Random(10 + num_drafters)
+    past = 0
+    for case in range(60):
+        num_seqs, drafter_k, k_max = rng.randint(1, 3), rng.randint(1, 2), 4
+        plain_seconds = rng.uniform(0.2, 3.0)
+        options, drafter_costs = random_case(rng, num_seqs, num_drafters, k_max)
+        options = [o if o.drafter is None else Option(o.seq, o.source, o.gains[:drafter_k], o.per_draft, o.fixed,
+                                                      o.drafter) for o in options]
+        plan = solve_options(num_seqs, plain_seconds, options, drafter_costs, k_max, drafter_k_max=drafter_k)
+        want = brute_force(num_seqs, plain_seconds, options, drafter_costs, k_max)
+        assert plan.tokens / plan.seconds == pytest.approx(want, rel=1e-9), case
+        assert all(k <= drafter_k for src, k in plan.choices if src != "lookup"), case
+        past += any(src == "lookup" and k > drafter_k for src, k in plan.choices)
+    assert past, "no plan gave a lookup more drafts than the model drafters' cap: nothing was shown"
 
 
 def test_the_plan_it_reports_is_the_plan_it_chose():

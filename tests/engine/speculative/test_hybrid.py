@@ -195,3 +195,18 @@ def test_indexing_a_new_requests_prompt_is_timed_with_the_lookups_but_not_priced
     ngram = seq.draft.ngram
     engine.drafting.lookups[0].index_new([seq])
     assert seq.draft.ngram is ngram and ngram.tokens == seq.token_ids, "indexed once, as its lookup would"
+
+
+def test_a_structured_sequences_room_for_forced_tokens_stays_within_a_short_query(model_sets):
+    """After a lookup's drafts, a structured sequence keeps k_max slots for what its grammar forces; a lookup
+    drafting past k_max leaves only what keeps the sequence a short query (past one, its forward is a prompt
+    chunk's)."""
+    engine = engine_for(model_sets["llama"], None)
+    k_max = engine.config.k_max
+    seq = standalone("g", REPEATING, SamplingParams(max_tokens=64, temperature=0.0))
+    seq.grammar = object()  # any grammar: only whether there is one matters here
+    for k, extend in ((4, k_max), (SHORT_QUERY - 4, 3), (SHORT_QUERY - 1, 0)):
+        seq.draft.clear_plan()
+        engine.drafting._assign(seq, engine.drafting.lookup, k, 0)
+        assert (seq.draft.k, seq.draft.extend) == (k + extend, extend), k
+        assert seq.draft.k + 1 <= SHORT_QUERY
