@@ -129,10 +129,10 @@ class Drafting:
         if asked or plan is None:
             asking = worth_asking([seq for seq, a in zip(seqs, adaptive) if a], c.lookups, plan is None)
             self._dirty = True
-            t0 = time.perf_counter()
+            t0, cap = time.perf_counter(), c.lookup_cap(len(seqs))
             indexing = index_new(asking, self.lookups)  # once a request: not a price of asking
             for lookup in self.lookups:
-                proposal = lookup.propose([DraftRequest(seq, c.lookup_cap(len(seqs))) for seq in asking])
+                proposal = lookup.propose([DraftRequest(seq, cap) for seq in asking])
                 for seq, tokens in zip(asking, proposal.tokens):
                     seq.draft.proposals[lookup.name] = tokens
             self._lookup_seconds = time.perf_counter() - t0
