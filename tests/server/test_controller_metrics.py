@@ -49,6 +49,9 @@ def test_the_cost_model_and_the_choices_are_in_metrics(make_server, model_sets):
 def test_a_server_kept_on_the_plain_path_runs_no_draft_forward_and_verifies_no_draft(make_server, model_sets):
     engine = adaptive_engine(model_sets["llama"])
     engine.controller.margin = float("inf")  # no plan is ever good enough: every step is the plain one
+    # The spacing the budget gives depends on this host's timings (tests/engine/speculative/test_controller.py
+    # pins it with a set cost); a floor of 4 steps makes the count this test can hold to the same everywhere.
+    engine.controller.probe_interval = 4
     live = make_server(engine=engine, draft_model=str(model_sets["llama"].draft))
     first = Scrape.of(live)
     send(live)
@@ -59,5 +62,4 @@ def test_a_server_kept_on_the_plain_path_runs_no_draft_forward_and_verifies_no_d
     assert delta(first, after, "specd:spec_controller_steps_total", decision="speculate") == 0
     plain = delta(first, after, "specd:spec_controller_steps_total", decision="plain")
     probes = delta(first, after, "specd:spec_controller_steps_total", decision="probe")
-    # Asking one sequence's lookups costs a few percent of its plain step: at a budget of 1%, a probe every few.
-    assert plain > 0 and 0 < probes <= plain / 2, "the lookups are asked only on probes, spaced by their budget"
+    assert plain > 0 and 0 < probes <= (plain + probes) / 4 + 1, f"asked on {probes} of {plain + probes} steps"
