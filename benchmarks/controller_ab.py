@@ -107,8 +107,9 @@ def main() -> None:
     llms = {}
     for name in ENGINES:
         options = {key: int(value) for key, value in args.engine} if name == "variant" else {}
+        # compile_prompts off: three children compiling the same prompt graphs would share the cores with the rounds
         llms[name] = LLM(str(args.pair / "target"), draft_model=str(args.pair / "draft"), compile=args.compile,
-                         speculative_method="none" if name == "none" else "hybrid", **options)
+                         speculative_method="none" if name == "none" else "hybrid", compile_prompts=False, **options)
     for attr, value in args.controller:
         if not hasattr(llms["variant"].engine.controller, attr):
             ap.error(f"--controller: the goodput controller has no {attr!r}")

@@ -126,7 +126,9 @@ def record(llm: LLM, items: list, horizon: int, decode) -> tuple[list[dict], flo
         drafting.plan, drafting.release = plan, release
     for s, after in zip(live, [*live[1:], None]):  # one request at a time: its steps follow each other
         final = finals[id(s["seq"])]
-        s["agreed"] = {name: agreed(p, final[s["at"]:]) for name, p in s.pop("proposals").items()}
+        proposals = s.pop("proposals")
+        s["proposed"] = {name: len(p) for name, p in proposals.items()}
+        s["agreed"] = {name: agreed(p, final[s["at"]:]) for name, p in proposals.items()}
         # What the step emitted: up to where the request's next step began, or its end
         s["emitted"] = (after["at"] if after is not None and after["seq"] is s["seq"] else len(final)) - s["at"]
         steps.append(s)
@@ -142,10 +144,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=6, help="prompts (conversations) a set")
     ap.add_argument("--horizon", type=int, default=24, help="longest proposal asked of a lookup")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "draft_oracle.json")
+    ap.add_argument("--steps-out", type=Path, help="also write every recorded step here (JSON lines), per set")
     args = ap.parse_args()
 
     tok = AutoTokenizer.from_pretrained(args.pair / "target")
-    llm = LLM(str(args.pair / "target"), draft_model=str(args.pair / "draft"), compile="background")
+    llm = LLM(str(args.pair / "target"), draft_model=str(args.pair / "draft"), compile="background",
+              compile_prompts=False)  # decode steps are what it prices: no child beside them
     controller = llm.engine.drafting.controller
     cost, k_max = controller.cost.target, controller.k_max
     results = []
@@ -160,6 +164,9 @@ def main() -> None:
                "planned": planned(steps, cost), "hindsight": [hindsight(steps, k_max, cost),
                                                               hindsight(steps, args.horizon, cost)]}
         results.append(got)
+        if args.steps_out is not None:
+            with args.steps_out.open("a") as f:
+                f.writelines(json.dumps({"set": name, **s}) + "\n" for s in steps)
         h1, h2 = got["hindsight"]
         print(f"| {name} | {len(steps)} | {got['tokens_per_second']:.0f} | {got['planned']['tokens_per_step']:.2f} | "
               f"{got['planned']['speedup_at_forward_cost']:.2f}x | {h1['tokens_per_step']:.2f}, "

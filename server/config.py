@@ -140,25 +140,24 @@ class ServerConfig:
     )
     shutdown_timeout: float = option(30.0, "seconds in-flight requests get to finish on SIGTERM or SIGINT")
     seed: int = option(0, "engine seed for unseeded sampling", engine=True)
-    trust_remote_code: bool = option(
-        False, "run Python code shipped with the model directory (a warning is logged)", engine=True
-    )
+    trust_remote_code: bool = option(False, "run Python code shipped with the model directory (a warning is logged)",
+                                     engine=True)
     audit_fraction: float = option(
         0.0, "share of finished greedy requests re-run without speculation, at the lowest priority, and compared "
-        "(`specd:spec_decode_audit_total`)", engine=True,
-    )
+        "(`specd:spec_decode_audit_total`)", engine=True)
     compile: str = option(
         "auto", "`torch.compile` the target's and the draft's decode and verify forwards: `start` before serving (the "
         "flag alone), `background` serving eagerly until a child process at the lowest CPU priority has compiled "
         "them (on CPU, where `start` waits for the same child, and its prompt graphs too; later starts load them), "
         "`off`, or `auto`: `background` on CPU in float32 where a C++ compiler is found, else `off` (in YAML, true "
         "and false are `start` and `off`); a machine's first compile takes minutes, later ones read inductor's cache",
-        choices=COMPILE_MODES, bare="start", metavar="MODE", engine=True, from_yaml=_compile_mode,
-    )
+        choices=COMPILE_MODES, bare="start", metavar="MODE", engine=True, from_yaml=_compile_mode)
+    compile_prompts: bool = option(
+        True, "with `--compile background`: the prompt graphs too, compiled once the decode graphs serve where none "
+        "are on disk (prompt chunks run eagerly until then)", engine=True)
     prefix_caching: bool = option(
         True, "reuse the KV blocks of a prompt prefix an earlier request computed (output is the same either way)",
-        engine=True,
-    )
+        engine=True)
     grammar_drafts: bool = option(
         True, "with speculation on, draft the tokens a structured request's grammar forces (keys, punctuation, "
         "closing brackets), for free", engine=True,

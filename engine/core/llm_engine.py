@@ -55,12 +55,10 @@ class LLMEngine:
         self.device = self.target.device
         self._keys = random.Random(config.seed)  # keys of unseeded requests' random draws
         self.block_manager = BlockManager(loaded.num_blocks, config.block_size, config.prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.logit_rows,
-                            config.prefill_hold_steps, config.prefill_group_tokens),
-            self.block_manager,
-            StopChecker(self.eos_ids, self.max_model_len, self.tokenizer),
-        )
+        limits = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                 config.logit_rows, config.prefill_hold_steps, config.prefill_group_tokens)
+        stop = StopChecker(self.eos_ids, self.max_model_len, self.tokenizer)
+        self.scheduler = Scheduler(limits, self.block_manager, stop)
         self.drafting = make_drafting(config, loaded.target, loaded.draft, loaded.early_exit, self.eos_ids)
         self.verifier = Verifier(self.eos_ids)
         self.auditor = Auditor(config.audit_fraction)
@@ -85,15 +83,19 @@ class LLMEngine:
             heap.settle()
             if loaded.background is not None:
                 loaded.background.then(lambda: self.between_steps.add(heap.settle))  # the graphs it loaded
+        self.prompt_compile = loaded.prompts  # once the decode graphs serve and the profile they queued is done
+        if loaded.prompts is not None:
+            loaded.prompts.start_after(loaded.background, self.between_steps.add)
         self.background_compile = loaded.background.start() if loaded.background is not None else None
 
     @property
     def compile_state(self) -> str:
-        """off (nothing compiled), compiling (some model still serves eagerly while its warm-up runs, or the
-        step-cost model is still to be profiled on the compiled forwards), compiled, or failed (a model's compile
-        failed: it runs eagerly)."""
-        background = self.background_compile  # its thread hands the profile over just before it ends
-        taking_over = self.between_steps.pending or (background is not None and background.thread.is_alive())
+        """off (nothing compiled), compiling (some model still serves eagerly while its warm-up runs, the step-cost
+        model is still to be profiled on the compiled forwards, or the prompt graphs compile), compiled, or failed (a
+        model's compile failed: it runs eagerly)."""
+        threads = [c.thread for c in (self.background_compile, self.prompt_compile) if c is not None]
+        # the background compile's thread hands the profile over just before it ends
+        taking_over = self.between_steps.pending or any(t.is_alive() for t in threads)
         states = {c.state for c in self._compiled} | ({"compiling"} if taking_over else set())
         return next((s for s in ("compiling", "failed", "compiled") if s in states), "off")
 
@@ -119,10 +121,8 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, but the context (max_model_len) is {self.max_model_len}, "
-                "which leaves no room to generate"
-            )
+            raise ValueError(f"prompt has {len(ids)} tokens, but the context (max_model_len) is {self.max_model_len}, "
+                             "which leaves no room to generate")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")

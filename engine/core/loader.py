@@ -29,6 +29,7 @@ from engine.worker.graphs import Buckets
 from engine.worker.host_memory import keep_freed_memory
 from engine.worker.loading import resolve_device, resolve_dtype
 from engine.worker.model_runner import ModelRunner
+from engine.worker.prompt_compile import PromptCompile
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class Loaded:
     compile_mode: CompileMode = CompileMode.OFF  # what config.compile came to on this machine (resolve_mode)
     # The compile warm-ups still to run, in a thread of their own (CompileMode.BACKGROUND): not started yet.
     background: BackgroundWarmUp | None = None
+    prompts: PromptCompile | None = None  # with it, the prompt graphs' compile: not started yet
 
 
 def load_tokenizer(path: str, trust_remote_code: bool) -> Any | None:
@@ -151,7 +153,7 @@ def _ahead_of_time(compiled: list[ModelRunner], config: EngineConfig, device: to
     background compiles at start too) or the child fails."""
     if device.type != "cpu" or split or eagle or early_exit is not None or not compiled:
         return False
-    try:  # prompt graphs too: the server loads them, but only here and make compile-cache build them
+    try:  # prompt graphs too, before serving (a background compile builds them after its decode graphs serve)
         precompile.compile_prompts(compiled, config.k_max, config.dtype, config.trust_remote_code)
     except RuntimeError as exc:
         logger.warning("%s; prompt chunks run eagerly", exc)
@@ -206,10 +208,8 @@ def load(config: EngineConfig) -> Loaded:
                             compile=compiles)
         if draft.device != target.device:
             # The draft's distributions meet the target's logits in verification, on one device.
-            raise ValueError(
-                f"the draft model is on {draft.device} but the target's inputs and logits are on {target.device}; "
-                f"put the draft there (device {target.device})"
-            )
+            raise ValueError(f"the draft model is on {draft.device} but the target's inputs and logits are on "
+                             f"{target.device}; put the draft there (device {target.device})")
     limits = [r.max_position_embeddings for r in (target, draft)
               if isinstance(r, ModelRunner) and r.max_position_embeddings]
     model_limit = min(limits) if limits else DEFAULT_CONTEXT
@@ -243,6 +243,8 @@ def load(config: EngineConfig) -> Loaded:
         early_exit = ModelRunner.early_exit(target, layers, head)
     compiled = [r for r in (target, draft, early_exit) if isinstance(r, ModelRunner) and r.compiled is not None]
     background = None
+    prompts = PromptCompile(compiled, config.k_max, config.dtype, config.trust_remote_code) if (
+        mode is CompileMode.BACKGROUND and early_exit is None and compiled and config.compile_prompts) else None
     if mode is CompileMode.BACKGROUND and early_exit is None and precompile.at_start(compiled, config.k_max):
         logger.info("compile background: %s serve compiled from the start (their graphs were on disk)",
                     " and ".join(r.name for r in compiled))
@@ -295,4 +297,4 @@ def load(config: EngineConfig) -> Loaded:
         max_model_len,
     )
     eos = eos_token_ids(config.model, target, tokenizer)
-    return Loaded(target, draft, early_exit, tokenizer, eos, max_model_len, num_blocks, mode, background)
+    return Loaded(target, draft, early_exit, tokenizer, eos, max_model_len, num_blocks, mode, background, prompts)

@@ -88,6 +88,9 @@ class EngineConfig:
     # torch.compile the decode and verify forwards of the target and the draft: a CompileMode or its value;
     # True and False mean START and OFF.
     compile: CompileMode | str | bool = CompileMode.OFF
+    # With compile BACKGROUND: the prompt graphs too, once the decode graphs serve, where none are on disk
+    # (engine.worker.prompt_compile); False leaves prompt chunks eager until a start finds them there.
+    compile_prompts: bool = True
     # Reuse the KV blocks of a prefix an earlier request computed (engine.sched.block_manager).
     prefix_caching: bool = True
     grammar_drafts: bool = True  # draft the tokens a request's grammar forces, for free (engine.speculative.drafting)

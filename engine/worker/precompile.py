@@ -158,13 +158,13 @@ def add_prompts(runner: Any, graphs: Precompiled, keys: str, path: Path) -> None
     """The prompt graphs in ``path`` (their packed layers keyed by ``keys``, the decode file's) added to
     ``graphs``, where the file is current; else prompt chunks run eagerly, as they did before they had graphs."""
     if _changed(path):
-        logger.info("%s: no current prompt graphs (%s); its prompt chunks stay eager (compile_prompt_files, as in make "
-                    "compile-cache, builds them)", runner.name, path.name)
+        logger.info("%s: no current prompt graphs (%s); its prompt chunks stay eager until they are compiled (after "
+                    "a background compile, or compile_prompt_files, as in make compile-cache)", runner.name, path.name)
         return
     prompts = load(runner, path, keys)
     if prompts is not None:
-        for shape, fns in prompts.graphs.items():
-            graphs.graphs.setdefault(shape, []).extend(fns)
+        for shape, fns in prompts.graphs.items():  # new lists: a serving thread may be reading the old ones
+            graphs.graphs[shape] = [*graphs.graphs.get(shape, ()), *fns]
         logger.info("%s: %d prompt graphs loaded beside its decode graphs", runner.name, len(prompts))
 
 

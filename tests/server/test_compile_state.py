@@ -5,9 +5,13 @@ counters (compiled, eager) read the engine's counts."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 from engine.worker import precompile
 from engine.worker.compiled import BackgroundWarmUp
 from engine.worker.model_runner import ModelRunner
+from engine.worker.prompt_compile import PromptCompile
 from tests.engine.worker.test_compile import failing_child
 from tests.server.conftest import MODEL, tiny_engine
 
@@ -20,6 +24,8 @@ def state(live) -> dict[str, float]:
 def test_a_background_compile_serves_at_once_and_reports_its_state(make_server, model_sets, monkeypatch):
     held: list[BackgroundWarmUp] = []
     monkeypatch.setattr(BackgroundWarmUp, "start", lambda self: held.append(self) or self)  # run below, by hand
+    release = threading.Event()  # the prompt graphs' compile below, held until released (its thread binds _run)
+    monkeypatch.setattr(PromptCompile, "_run", lambda self: release.wait(60))
     ms = model_sets["llama"]
     engine = tiny_engine(ms.target, compile="background")
     live = make_server(engine, compile="background")
@@ -35,8 +41,18 @@ def test_a_background_compile_serves_at_once_and_reports_its_state(make_server, 
 
     monkeypatch.setattr(precompile, "spawn", failing_child)  # the child's compile fails, then this process's
     monkeypatch.setattr(ModelRunner, "warm_up_compiled", broken)
+    # The prompt graphs' compile (engine.worker.prompt_compile) follows on the stepping thread; while it runs,
+    # the compile is still under way.
     held[0].thread.start()
     assert held[0].join(timeout=30)
+    prompts = engine.prompt_compile
+    assert prompts is not None
+    deadline = time.monotonic() + 30
+    while prompts.thread.ident is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert prompts.running and live.get("/health").json() == {"status": "ready", "compile": "compiling"}
+    release.set()
+    prompts.thread.join(timeout=30)
     assert live.get("/health").json() == {"status": "ready", "compile": "failed"}
     assert state(live) == {"off": 0.0, "compiling": 0.0, "compiled": 0.0, "failed": 1.0}
     again = client.completions.create(model=MODEL, prompt="def fib(n):", max_tokens=12, temperature=0.0)

@@ -66,7 +66,8 @@ def held_llm(pair8) -> LLM:
     try:
         return LLM(model=str(pair8 / "target"), draft_model=str(pair8 / "draft"), speculative_method="draft_model",
                    num_speculative_tokens=K, dtype="float32", device="cpu", max_num_seqs=512,
-                   max_num_batched_tokens=4096, seed=1234, compile="background")
+                   max_num_batched_tokens=4096, seed=1234, compile="background",
+                   compile_prompts=False)  # the prompt graphs after: minutes more (test_prompt_layouts.py)
     finally:
         BackgroundWarmUp.start = start  # type: ignore[method-assign]
 
@@ -142,7 +143,7 @@ def test_a_later_start_finds_the_graphs_on_disk_and_serves_compiled_from_its_fir
 
     args = ["--model", str(pair8 / "target"), "--draft-model", str(pair8 / "draft"), "--speculative-method",
             "draft_model", "--max-speculative-tokens", str(K), "--dtype", "float32", "--device", "cpu",
-            "--compile", "background"]
+            "--compile", "background", "--no-compile-prompts"]
     server = Process(tmp_path, args, OMP_NUM_THREADS=str(torch.get_num_threads()))  # the files' thread count
     try:
         server.wait_ready()
@@ -166,8 +167,8 @@ def test_a_later_start_finds_the_graphs_on_disk_and_serves_compiled_from_its_fir
 def test_compile_start_serves_the_graphs_on_disk_before_it_returns(compiled_llm, pair8, caplog, monkeypatch):
     """--compile start on CPU serves the graphs the background compile wrote, loaded before the engine exists, not
     this process's own torch.compile (dynamic shapes: slower forwards, and compiled again at every start); it has
-    the prompt graphs compiled first, which a background compile leaves to make compile-cache (their compile:
-    tests/engine/worker/test_prompt_layouts.py; here it is only asked for, minutes on 2 cores)."""
+    the prompt graphs compiled first, which a background compile leaves until its decode graphs serve (their
+    compile: tests/engine/worker/test_prompt_layouts.py; here it is only asked for, minutes on 2 cores)."""
     caplog.set_level(logging.INFO, logger="engine")
     asked: list[tuple[list[str], int]] = []
     monkeypatch.setattr(precompile, "compile_prompts", lambda runners, k_max, *args: asked.append(
@@ -200,7 +201,7 @@ def test_a_failed_background_warm_up_leaves_the_model_eager_and_serving(pair8, m
     monkeypatch.setattr(precompile, "spawn", failing_child)
     monkeypatch.setattr(ModelRunner, "warm_up_compiled", broken)
     llm = LLM(model=str(pair8 / "target"), speculative_method="none", dtype="float32", device="cpu",
-              compile="background")
+              compile="background", compile_prompts=False)
     assert llm.engine.background_compile is not None and llm.engine.background_compile.join(timeout=60)
     assert llm.engine.compile_state == "failed" and "they run eagerly" in caplog.text
     assert "no compiler here" in caplog.text and "compiling here instead" in caplog.text
@@ -380,7 +381,7 @@ def test_the_adaptive_calibration_times_compiled_forwards_once_they_serve(compil
     # loaded before it. Found at start, they would serve from the first request, with nothing to re-time.
     monkeypatch.setattr(precompile, "at_start", lambda runners, k_max: False)
     llm = LLM(model=str(pair8 / "target"), speculative_method="ngram", max_speculative_tokens=K, dtype="float32",
-              device="cpu", compile="background")
+              device="cpu", compile="background", compile_prompts=False)
     engine, target = llm.engine, llm.engine.target
     config = engine.config
     profile = profile_blocks(config.k_max, config.block_size, config.max_num_batched_tokens, config.max_num_seqs)
@@ -461,7 +462,8 @@ def test_where_the_child_fails_this_process_compiles_the_layouts_itself(pair8, m
     monkeypatch.setattr(model_runner, "warm_up_layouts", lambda *args: layouts(*args)[:2])
     monkeypatch.setattr(precompile, "spawn", failing_child)
     monkeypatch.setattr(precompile, "at_start", lambda runners, k_max: False)  # the module's files, if written
-    llm = LLM(model=str(pair8 / "target"), speculative_method="none", dtype="float32", device="cpu", compile=mode)
+    llm = LLM(model=str(pair8 / "target"), speculative_method="none", dtype="float32", device="cpu", compile=mode,
+              compile_prompts=False)
     if mode == "background":
         assert llm.engine.background_compile is not None and llm.engine.background_compile.join(timeout=600)
     else:  # the prompt graphs' child failed too: the server starts, its prompt chunks eager

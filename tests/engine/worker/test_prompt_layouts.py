@@ -2,11 +2,14 @@
 decode graphs (precompile.add_prompts), run for one prompt chunk a forward with the eager forward's logits; a
 forward of a prompt no graph fits, or of two short prompts, runs eagerly and is not counted as an uncompiled
 decode; prompts beside short queries that no graph serves whole, and prompts alone two of which are past
-SMALL_ROWS, run in parts (ModelRunner._in_parts), logits unchanged."""
+SMALL_ROWS, run in parts (ModelRunner._in_parts), logits unchanged; and where a model serves decode graphs with no
+prompt file current, they are compiled and added to the graphs it serves (engine.worker.prompt_compile)."""
 
 from __future__ import annotations
 
+import logging
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -14,10 +17,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine.layers import small_linear
 from engine.layers.attention_metadata import SHORT_QUERY
-from engine.worker import aot_graphs, precompile
+from engine.worker import aot_graphs, precompile, prompt_compile
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.graph_files import prompt_artifact
 from engine.worker.model_runner import ModelRunner
+from engine.worker.prompt_compile import PromptCompile
 from engine.worker.prompt_layouts import CONTEXT, SHORT, prompt_blocks, prompt_layouts
 
 K, BLOCK, V = 3, 16, 64
@@ -42,13 +46,13 @@ def test_the_layouts_fit_the_blocks_they_claim_and_each_has_one_prompt():
             assert all(-(-e // BLOCK) <= len(table) for e, table in zip(ends, batch.block_tables))
 
 
-def test_a_prompt_beside_decoders_runs_its_graph_and_a_mix_no_graph_fits_runs_in_parts_with_the_eager_logits(
-        model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def prompt_file(model_dir, tmp_path_factory):
+    """Four of the layouts compiled, to keep the compile short: the first (its sizes static), a fresh prompt beside
+    two decoders, one after a cached prefix, and a fresh one past SMALL_ROWS."""
     source = ModelRunner.load(str(model_dir), "float32", "cpu")
     source.allocate_cache(3 * prompt_blocks(K, BLOCK), BLOCK)
     small_linear.install(source.model, KEYS)
-    # Four of the layouts, to keep the compile short: the first (its sizes static), a fresh prompt beside two
-    # decoders, one after a cached prefix, and a fresh one past SMALL_ROWS.
     every_layout = prompt_layouts(K, BLOCK, 3 * prompt_blocks(K, BLOCK))
     chosen = [*every_layout[:4], every_layout[5]]
     del chosen[1]
@@ -58,13 +62,17 @@ def test_a_prompt_beside_decoders_runs_its_graph_and_a_mix_no_graph_fits_runs_in
         data = aot_graphs.compile_runner(source, K)
     finally:
         aot_graphs.warm_up_layouts = every
-    path = tmp_path / "prompts.bin"
+    path = tmp_path_factory.mktemp("prompt-file") / "prompts.bin"
     path.write_bytes(data)
+    return path
 
+
+def test_a_prompt_beside_decoders_runs_its_graph_and_a_mix_no_graph_fits_runs_in_parts_with_the_eager_logits(
+        model_dir, prompt_file):
     runner = ModelRunner.load(str(model_dir), "float32", "cpu", compile=True)
     runner.allocate_cache(64, BLOCK)
     graphs = aot_graphs.Precompiled(runner, pickle.dumps({"sources": [], "graphs": []}))  # no decode graph
-    precompile.add_prompts(runner, graphs, KEYS, path)
+    precompile.add_prompts(runner, graphs, KEYS, prompt_file)
     assert len(graphs) == 4, "every chosen layout compiled"
     compiled = runner.compiled
     compiled.precompiled = graphs
@@ -147,3 +155,68 @@ def test_the_prompt_file_is_keyed_by_its_decode_file_and_the_prompt_layouts(mode
     prompts, decode = prompt_artifact(runner, K), precompile.artifact(runner, K)
     assert prompts.parent == decode.parent and prompts.name.startswith(decode.stem) and prompts != decode
     assert prompt_artifact(runner, K + 1).name.startswith(precompile.artifact(runner, K + 1).stem)
+
+
+def test_prompt_graphs_missing_beside_served_decode_graphs_are_compiled_once_then_serve_prompt_chunks(
+        model_dir, prompt_file, tmp_path, monkeypatch, caplog):
+    """The child's compile is the module's file here (its own: the test above and precompile.main); what is shown
+    is when it is asked for, and that a prompt chunk served eagerly before runs its graph after, logits unchanged."""
+    caplog.set_level(logging.INFO, logger="engine")
+    runner = ModelRunner.load(str(model_dir), "float32", "cpu", compile=True)
+    runner.allocate_cache(64, BLOCK)
+    graphs = aot_graphs.Precompiled(runner, pickle.dumps({"sources": [], "graphs": []}))  # its decode graphs
+    runner.compiled.precompiled = graphs
+    on_disk = tmp_path / "prompts.bin"
+    monkeypatch.setattr(prompt_compile, "prompt_artifact", lambda r, k: on_disk)
+    monkeypatch.setattr(prompt_compile, "artifact", lambda r, k: tmp_path / f"{KEYS}.bin")  # the decode file
+    asked: list[tuple[list[str], int]] = []
+
+    def child(runners, k_max, dtype, trust_remote_code):  # noqa: ANN001, ANN202
+        asked.append(([r.name for r in runners], k_max))
+        shutil.copy(prompt_file, on_disk)
+
+    monkeypatch.setattr(precompile, "compile_prompts", child)
+    gen = torch.Generator().manual_seed(1)
+    batch = ForwardBatch([torch.randint(V, (SHORT - 20,), generator=gen).tolist()], [CONTEXT + 4],
+                         [list(range(48, 64))], [1])  # after a cached prefix
+    eager = runner.forward(batch)
+    assert (runner.compiled.prompt_compiled, runner.compiled.prompt_eager) == (0, 1)
+
+    # After a background compile: started on the stepping thread once the compile's queued jobs are, not before.
+    class Background:
+        def __init__(self) -> None:
+            self.jobs: list = []
+
+        def then(self, job):  # noqa: ANN001, ANN202
+            self.jobs.append(job)
+
+    background, between = Background(), []
+    job = PromptCompile([runner], K, "float32", False)
+    assert job.missing() == [runner]
+    job.start_after(background, between.append)
+    assert job.thread.ident is None and not between
+    background.jobs[0]()
+    assert job.thread.ident is None and len(between) == 1, "handed to the stepping thread"
+    between[0]()
+    job.thread.join(timeout=60)
+    assert asked == [([runner.name], K)] and job.added == 4 == len(graphs)
+    out = runner.forward(batch)
+    assert (runner.compiled.prompt_compiled, runner.compiled.prompt_eager) == (1, 1), "its graph ran"
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
+
+    # Current on disk (a later start had loaded it with the decode graphs): nothing asked, nothing added twice.
+    again = PromptCompile([runner], K, "float32", False)
+    again.start_after(None, between.append)
+    again.thread.join(timeout=60)
+    assert again.missing() == [] and len(asked) == 1 and len(graphs) == 4
+
+    # A child that fails leaves the prompt chunks eager, the server serving.
+    def failing(*args):  # noqa: ANN002, ANN202
+        raise RuntimeError("compiling the prompt graphs failed: exit code 1: no compiler here")
+
+    monkeypatch.setattr(precompile, "compile_prompts", failing)
+    monkeypatch.setattr(prompt_compile, "prompt_artifact", lambda r, k: tmp_path / "other.bin")
+    failed = PromptCompile([runner], K, "float32", False)
+    failed.start()
+    failed.thread.join(timeout=60)
+    assert failed.added == 0 and len(graphs) == 4 and "no compiler here; prompt chunks stay eager" in caplog.text
