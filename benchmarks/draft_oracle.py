@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How far the lookups' drafts could carry batch 1 with hindsight: what the goals at 1 can reach at all.
 
-    python benchmarks/draft_oracle.py --sets agentic extraction code_newline [--requests 6] [--horizon 24]
+    python benchmarks/draft_oracle.py --sets agentic extraction code_newline [--requests 16] [--horizon 24] [--batch 8]
 
 The default engine (hybrid, adaptive k, compiled graphs) serves each set's requests one at a time in process, as
 controller_ab.py does (an agentic conversation sends its next turn from the output). At every step, beside what
@@ -14,12 +14,18 @@ Per set, over those steps: tokens a step emitted as planned, and with hindsight 
 priced by the engine's own start-up profile of the compiled target forward (the decode layout at k = 0, the
 verify one past it) with everything else free. The bound is hindsight's rate over the plain step's: no choice of
 these drafts, at no host cost, does better. The draft model's drafts are not replayed (it ran on few steps where
-the lookups had nothing): the bound is of the lookups. Prints a table; writes benchmarks/results/draft_oracle.json.
+the lookups had nothing): the bound is of the lookups. At --batch N (default 8) the same requests run N at a time in
+lockstep, a slot taking the next request when its own ends: each batch step feeds, with hindsight, the drafts of
+its sequences' agreements that maximise the run's rate, priced by the profile at the batch's tokens and contexts,
+against the plain step at that batch: what the goals at 8 can reach at all. A request's steps are the ones it took
+at 1, so the bound at N is the run at 1 rearranged, not a run at N. Prints a table; writes
+benchmarks/results/draft_oracle.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import sys
@@ -48,8 +54,13 @@ def best_rate(accepted: np.ndarray, seconds: np.ndarray, plain: np.ndarray) -> t
     """The most tokens per second over all steps, each step choosing its k: ``accepted`` [N, K+1] drafts held at
     k = 0..K (the best source's at each k), ``seconds`` [N, K+1] the step at k; ``plain`` [N] the plain step.
     Dinkelbach: at rate r each step maximises tokens - r * seconds on its own; r becomes the plan's rate."""
-    tokens = 1.0 + accepted  # [N, K+1]
-    rate, pick = float(len(plain) / plain.sum()), np.zeros(len(plain), dtype=int)
+    return dinkelbach(1.0 + accepted, seconds, float(len(plain) / plain.sum()))
+
+
+def dinkelbach(tokens: np.ndarray, seconds: np.ndarray, rate: float) -> tuple[float, np.ndarray]:
+    """The most tokens per second over all steps, each step choosing one column: ``tokens`` and ``seconds`` [N, C]
+    (a column a step cannot take: tokens -inf), from ``rate``, a rate some choice reaches (the plain steps')."""
+    pick = np.zeros(len(tokens), dtype=int)
     for _ in range(64):
         pick = np.argmax(tokens - rate * seconds, axis=1)  # [N]
         rows = np.arange(len(pick))
@@ -82,6 +93,66 @@ def hindsight(steps: list[dict], k_cap: int, cost: TargetCost) -> dict:
     return {"k_max": k_cap, "tokens_per_step": float(1.0 + accepted[rows, pick].mean()),
             "mean_k": float(ks[pick].mean()), "speedup_bound": rate / (len(plain) / plain.sum())}
 
+
+
+def lockstep(steps: list[dict], n: int) -> list[list[dict]]:
+    """``steps`` (each with its ``request``, a request's in order) as batch steps of ``n`` slots: each batch step
+    holds the next step of every slot's request, and a slot whose request ended takes the next one."""
+    requests: dict[int, list[dict]] = {}
+    for s in steps:
+        requests.setdefault(s["request"], []).append(s)
+    pending = iter(requests.values())
+    slots = [iter(r) for r in itertools.islice(pending, n)]
+    batches = []
+    while slots:
+        batch, kept = [], []
+        for slot in slots:
+            step = next(slot, None)
+            while step is None and (slot := next(pending, None)) is not None:
+                slot = iter(slot)
+                step = next(slot, None)
+            if step is not None:
+                batch.append(step)
+                kept.append(slot)
+        slots = kept
+        if batch:
+            batches.append(batch)
+    return batches
+
+
+def batched_hindsight(steps: list[dict], n: int, k_cap: int, cost: TargetCost) -> dict:
+    """The hindsight plan of ``steps`` run ``n`` at a time (lockstep) with at most ``k_cap`` drafts a sequence, against
+    the plain steps of the same batches. A draft past its sequence's agreed length only costs, so a batch step
+    whose sequences would hold H drafts feeds D <= H of them, the longest agreements first (D tokens more for D
+    rows more); which D, hindsight picks over the run."""
+    batches = lockstep(steps, n)
+    most = max(sum(min(_held(s), k_cap) for s in b) for b in batches)
+    tokens = np.full((len(batches), most + 1), -np.inf)
+    seconds = np.ones((len(batches), most + 1))
+    emitted_plain = plain = 0.0
+    for i, batch in enumerate(batches):
+        held = sorted((min(_held(s), k_cap) for s in batch), reverse=True)
+        contexts = [s["context"] for s in sorted(batch, key=lambda s: -min(_held(s), k_cap))]
+        for d_total in range(sum(held) + 1):
+            left, fed = d_total, []
+            for h in held:
+                fed.append(min(h, left))
+                left -= fed[-1]
+            context = sum((1 + d) * (c + d) for d, c in zip(fed, contexts)) / 1000.0
+            tokens[i, d_total] = len(batch) + d_total
+            seconds[i, d_total] = cost(len(batch) + d_total, context, d_total > 0)
+        emitted_plain += len(batch)
+        plain += seconds[i, 0]
+    plain_rate = emitted_plain / plain
+    rate, pick = dinkelbach(tokens, seconds, plain_rate)
+    rows = np.arange(len(pick))
+    return {"batch": n, "k_max": k_cap, "batch_steps": len(batches),
+            "tokens_per_batch_step": float(tokens[rows, pick].mean()), "drafts_fed": float(pick.mean()),
+            "speedup_bound": rate / plain_rate}
+
+
+def _held(step: dict) -> int:
+    return max(step["agreed"].values(), default=0)
 
 def planned(steps: list[dict], cost: TargetCost) -> dict:
     """What the controller's plans emitted, priced the same way (forwards only; a draft model's own forwards
@@ -124,7 +195,9 @@ def record(llm: LLM, items: list, horizon: int, decode) -> tuple[list[dict], flo
         seconds, emitted, _ = run(llm, items, 1, decode)
     finally:
         drafting.plan, drafting.release = plan, release
+    requests: dict[int, int] = {}  # id(seq) -> the request's place in the run
     for s, after in zip(live, [*live[1:], None]):  # one request at a time: its steps follow each other
+        s["request"] = requests.setdefault(id(s["seq"]), len(requests))
         final = finals[id(s["seq"])]
         proposals = s.pop("proposals")
         s["proposed"] = {name: len(p) for name, p in proposals.items()}
@@ -141,9 +214,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", type=Path, default=REPO_ROOT / "models" / "default")
     ap.add_argument("--sets", nargs="+", default=["agentic", "extraction", "code_newline"], choices=list(PROMPT_SETS))
-    ap.add_argument("--requests", type=int, default=6, help="prompts (conversations) a set")
+    ap.add_argument("--requests", type=int, default=16, help="prompts (conversations) a set")
     ap.add_argument("--horizon", type=int, default=24, help="longest proposal asked of a lookup")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "draft_oracle.json")
+    ap.add_argument("--batch", type=int, default=8, help="the bound's batch beside batch 1 (default 8)")
     ap.add_argument("--steps-out", type=Path, help="also write every recorded step here (JSON lines), per set")
     args = ap.parse_args()
 
@@ -154,23 +228,26 @@ def main() -> None:
     cost, k_max = controller.cost.target, controller.k_max
     results = []
     print("| set | steps | tokens/s | tokens a step, planned | at forward cost | hindsight k <= "
-          f"{k_max}: tokens a step, bound | k <= {args.horizon}: tokens a step, bound |")
-    print("|---|---|---|---|---|---|---|")
+          f"{k_max}: tokens a step, bound | k <= {args.horizon}: tokens a step, bound | at {args.batch}, k <= {k_max}: "
+          f"bound | at {args.batch}, k <= {args.horizon}: bound |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.sets:
         items = PROMPT_SETS[name](tok, args.requests + 1)
         run(llm, items[:1], 1, tok.decode)  # off the clock: a first request of the set
         steps, seconds, emitted = record(llm, items[1:], args.horizon, tok.decode)
         got = {"set": name, "steps": len(steps), "tokens_per_second": emitted / seconds,
                "planned": planned(steps, cost), "hindsight": [hindsight(steps, k_max, cost),
-                                                              hindsight(steps, args.horizon, cost)]}
+                                                              hindsight(steps, args.horizon, cost)],
+               "batched": [batched_hindsight(steps, args.batch, k, cost) for k in (k_max, args.horizon)]}
         results.append(got)
         if args.steps_out is not None:
             with args.steps_out.open("a") as f:
                 f.writelines(json.dumps({"set": name, **s}) + "\n" for s in steps)
-        h1, h2 = got["hindsight"]
+        (h1, h2), (b1, b2) = got["hindsight"], got["batched"]
         print(f"| {name} | {len(steps)} | {got['tokens_per_second']:.0f} | {got['planned']['tokens_per_step']:.2f} | "
               f"{got['planned']['speedup_at_forward_cost']:.2f}x | {h1['tokens_per_step']:.2f}, "
-              f"{h1['speedup_bound']:.2f}x | {h2['tokens_per_step']:.2f}, {h2['speedup_bound']:.2f}x |", flush=True)
+              f"{h1['speedup_bound']:.2f}x | {h2['tokens_per_step']:.2f}, {h2['speedup_bound']:.2f}x | "
+              f"{b1['speedup_bound']:.2f}x | {b2['speedup_bound']:.2f}x |", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"host": platform.processor() or platform.machine(), "horizon": args.horizon,
                                     "profile": controller.cost.parameters(), "sets": results}, indent=1) + "\n")

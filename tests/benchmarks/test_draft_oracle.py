@@ -49,3 +49,56 @@ def test_hindsight_takes_the_longest_agreeing_source_and_never_beats_free_drafts
     assert within_24["speedup_bound"] >= within_8["speedup_bound"] > 1.0
     nothing = hindsight([{"context": 64, "agreed": {"ngram": 0}}], 8, cost)
     assert nothing["speedup_bound"] == pytest.approx(1.0) and nothing["mean_k"] == 0.0
+
+
+def test_lockstep_keeps_n_slots_busy_and_a_slot_takes_the_next_request_when_its_own_ends():
+    from benchmarks.draft_oracle import lockstep
+
+    steps = [{"request": r, "i": i} for r, n in enumerate([2, 1, 1, 3]) for i in range(n)]
+    batches = lockstep(steps, 2)
+    assert [[(s["request"], s["i"]) for s in b] for b in batches] == [
+        [(0, 0), (1, 0)], [(0, 1), (2, 0)], [(3, 0)], [(3, 1)], [(3, 2)]]
+    assert [s for b in lockstep(steps, 1) for s in b] == steps, "one slot: the run at 1 as it was"
+    assert sum(map(len, lockstep(steps, 8))) == len(steps)
+
+
+def _profile():
+    from engine.speculative.step_cost import TargetCost
+
+    cost = TargetCost()
+    cost.set_profile([(1, 0.0, 1e-3), (2, 0.0, 1.2e-3), (4, 0.0, 1.5e-3), (8, 0.0, 2.2e-3), (16, 0.0, 3.5e-3)])
+    return cost
+
+
+def test_the_batched_bound_at_one_is_the_bound_at_one():
+    from benchmarks.draft_oracle import batched_hindsight, hindsight
+
+    rng = random.Random(1)
+    steps = [{"request": r, "context": 30 + 7 * i, "agreed": {"ngram": rng.randint(0, 5), "suffix": rng.randint(0, 9)}}
+             for r in range(3) for i in range(4)]
+    cost = _profile()
+    for k in (3, 8):
+        assert batched_hindsight(steps, 1, k, cost)["speedup_bound"] == pytest.approx(
+            hindsight(steps, k, cost)["speedup_bound"], rel=1e-9)
+
+
+def test_the_batched_bound_is_the_best_over_every_sequences_every_choice_of_k():
+    from benchmarks.draft_oracle import batched_hindsight, lockstep
+
+    cost = _profile()  # no context term: a batch step's price is its tokens' alone
+    rng = random.Random(2)
+    for case in range(12):
+        k = rng.randint(1, 3)
+        steps = [{"request": r, "context": 0, "agreed": {"suffix": rng.randint(0, k + 1)}}
+                 for r, n in enumerate([rng.randint(1, 2) for _ in range(3)]) for _ in range(n)]
+        batches = lockstep(steps, 2)
+        plain = sum(len(b) for b in batches) / sum(cost(len(b), 0.0, False) for b in batches)
+        best = 0.0
+        choices = [list(itertools.product(range(k + 1), repeat=len(b))) for b in batches]
+        for plan in itertools.product(*choices):
+            tokens = seconds = 0.0
+            for b, ds in zip(batches, plan):
+                tokens += sum(1 + min(d, s["agreed"]["suffix"]) for d, s in zip(ds, b))
+                seconds += cost(len(b) + sum(ds), 0.0, sum(ds) > 0)
+            best = max(best, tokens / seconds)
+        assert batched_hindsight(steps, 2, k, cost)["speedup_bound"] == pytest.approx(best / plain, rel=1e-9), case
