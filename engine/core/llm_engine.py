@@ -81,8 +81,8 @@ class LLMEngine:
             loaded.background.then(lambda: self.between_steps.add(lambda: redo(first, end)))
         if config.freeze_heap:
             heap.settle()
-            if loaded.background is not None:
-                loaded.background.then(lambda: self.between_steps.add(heap.settle))  # the graphs it loaded
+            for job in (j for j in (loaded.background, loaded.prompts) if j is not None):  # the graphs they load
+                job.then(lambda: self.between_steps.add(heap.settle))
         self.prompt_compile = loaded.prompts  # once the decode graphs serve and the profile they queued is done
         if loaded.prompts is not None:
             loaded.prompts.start_after(loaded.background, self.between_steps.add)

@@ -33,6 +33,7 @@ class PromptCompile:
         self.thread = threading.Thread(target=self._run, name="specd-prompt-compile", daemon=True)
         self.added = 0  # prompt graphs added to the served ones
         self.seconds: float | None = None  # the whole of it, once done
+        self._then: list[Callable[[], object]] = []
 
     @property
     def running(self) -> bool:
@@ -50,6 +51,10 @@ class PromptCompile:
             self.start()
         else:
             background.then(lambda: between_steps(self.start))
+
+    def then(self, job: Callable[[], object]) -> None:
+        """Run ``job`` in the thread once prompt graphs were added (not where none were missing or the child failed)."""
+        self._then.append(job)
 
     def missing(self) -> list[Any]:
         """The runners that serve precompiled decode graphs but have no current prompt graphs on disk (a runner
@@ -77,3 +82,6 @@ class PromptCompile:
             self.added += len(runner.compiled.precompiled) - before
         self.seconds = time.perf_counter() - t0
         logger.info("prompt graphs compiled and added in %.1fs: %d graphs", self.seconds, self.added)
+        if self.added:
+            for job in self._then:
+                job()

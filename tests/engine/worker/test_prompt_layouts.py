@@ -190,8 +190,9 @@ def test_prompt_graphs_missing_beside_served_decode_graphs_are_compiled_once_the
         def then(self, job):  # noqa: ANN001, ANN202
             self.jobs.append(job)
 
-    background, between = Background(), []
+    background, between, done = Background(), [], []
     job = PromptCompile([runner], K, "float32", False)
+    job.then(lambda: done.append(job.added))  # the engine's: settle the heap with the new graphs in it
     assert job.missing() == [runner]
     job.start_after(background, between.append)
     assert job.thread.ident is None and not between
@@ -200,12 +201,14 @@ def test_prompt_graphs_missing_beside_served_decode_graphs_are_compiled_once_the
     between[0]()
     job.thread.join(timeout=60)
     assert asked == [([runner.name], K)] and job.added == 4 == len(graphs)
+    assert done == [4], "its jobs run once, after the graphs are added"
     out = runner.forward(batch)
     assert (runner.compiled.prompt_compiled, runner.compiled.prompt_eager) == (1, 1), "its graph ran"
     torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
 
     # Current on disk (a later start had loaded it with the decode graphs): nothing asked, nothing added twice.
     again = PromptCompile([runner], K, "float32", False)
+    again.then(lambda: done.append("again"))
     again.start_after(None, between.append)
     again.thread.join(timeout=60)
     assert again.missing() == [] and len(asked) == 1 and len(graphs) == 4
@@ -217,6 +220,8 @@ def test_prompt_graphs_missing_beside_served_decode_graphs_are_compiled_once_the
     monkeypatch.setattr(precompile, "compile_prompts", failing)
     monkeypatch.setattr(prompt_compile, "prompt_artifact", lambda r, k: tmp_path / "other.bin")
     failed = PromptCompile([runner], K, "float32", False)
+    failed.then(lambda: done.append("failed"))
     failed.start()
     failed.thread.join(timeout=60)
     assert failed.added == 0 and len(graphs) == 4 and "no compiler here; prompt chunks stay eager" in caplog.text
+    assert done == [4], "nothing added: no job runs"
