@@ -36,6 +36,7 @@ from engine.layers import small_linear
 from engine.worker import aot_graphs, kernel_call, model_guards
 from engine.worker.aot_graphs import Entry, Precompiled, compile_runner, stale
 from engine.worker.compile_cache import ENGINE_ROOT, tag_caches
+from engine.worker.compile_lock import one_at_a_time
 from engine.worker.graph_files import artifact, key, prompt_artifact  # noqa: F401 (key: where aot_graphs says, unedited)
 from engine.worker.prompt_layouts import prompt_blocks, prompt_layouts
 from engine.worker.warm_up_layouts import warm_up_blocks
@@ -53,9 +54,7 @@ class Model:
     dtype: str
     trust_remote_code: bool
     file: str  # where its graphs go
-    # A draft model proposes from each sequence's last row: the layouts that return several rows of one sequence
-    # (a verify's) never run on it, and cost a quarter of its compile.
-    draft: bool = False
+    draft: bool = False  # a draft proposes from a sequence's last row: a verify's layouts (a quarter) never run on it
     prompts: bool = False  # the prompt layouts (engine.worker.prompt_layouts) instead of the decode ones
     keys: str = ""  # the name its packed layers are keyed by ("": the file's): a prompt file's decode file's
 
@@ -172,11 +171,11 @@ def compile_prompts(runners: Sequence[Any], k_max: int, dtype: str, trust_remote
     """Each runner's prompt graphs compiled in a child (the target's first) where their file is not current;
     waits for it and returns the files. A server loads them at its next start (recipe.compile_cache ships them)."""
     files = [prompt_artifact(r, k_max) for r in runners]
-    missing = [Model(r.name, dtype, trust_remote_code, str(f), draft=i > 0, prompts=True,
-                     keys=artifact(r, k_max).stem)
-               for i, (r, f) in enumerate(zip(runners, files)) if _changed(f)]
-    if missing and (tail := _wait(spawn(missing, k_max, runners[0].cache.block_size))):
-        raise RuntimeError(f"compiling the prompt graphs failed: {tail}")
+    with one_at_a_time(files, _changed):  # another server's compile of the same files first, then what it left
+        missing = [Model(r.name, dtype, trust_remote_code, str(f), draft=i > 0, prompts=True,
+                         keys=artifact(r, k_max).stem) for i, (r, f) in enumerate(zip(runners, files)) if _changed(f)]
+        if missing and (tail := _wait(spawn(missing, k_max, runners[0].cache.block_size))):
+            raise RuntimeError(f"compiling the prompt graphs failed: {tail}")
     return files
 
 
@@ -233,15 +232,16 @@ def background(runners: Sequence[Any], k_max: int, dtype: str, trust_remote_code
 
     def run() -> bool:
         files = [artifact(r, k_max) for r in runners]
-        missing = [Model(r.name, dtype, trust_remote_code, str(f), draft=i > 0)
-                   for i, (r, f) in enumerate(zip(runners, files)) if not current(f)]
-        if missing:
-            t0 = time.perf_counter()
-            logger.info("compile: compiling %s in a child process", " and ".join(m.path for m in missing))
-            if failed := _wait(spawn(missing, k_max, runners[0].cache.block_size)):
-                logger.warning("the compile process failed (%s); compiling here instead", failed)
-                return False
-            logger.info("compile process done in %.1fs", time.perf_counter() - t0)
+        with one_at_a_time(files, _changed):  # another server's compile of the same files first, then what it left
+            missing = [Model(r.name, dtype, trust_remote_code, str(f), draft=i > 0)
+                       for i, (r, f) in enumerate(zip(runners, files)) if not current(f)]
+            if missing:
+                t0 = time.perf_counter()
+                logger.info("compile: compiling %s in a child process", " and ".join(m.path for m in missing))
+                if failed := _wait(spawn(missing, k_max, runners[0].cache.block_size)):
+                    logger.warning("the compile process failed (%s); compiling here instead", failed)
+                    return False
+                logger.info("compile process done in %.1fs", time.perf_counter() - t0)
         return install(runners, files, k_max)
 
     return run
