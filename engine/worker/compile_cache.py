@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from engine.worker.compile_lock import SUFFIX
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "compile-cache"  # compile-cache-<isa>.tar.xz and .json; a model packed before: compile-cache.tar.xz
@@ -138,8 +140,8 @@ def pack(cache: Path, model_dir: Path) -> Path:
     packed = archive(model_dir)
     partial = packed.with_name(packed.name + ".partial")  # whole or not at all, for a server unpacking it meanwhile
     with tarfile.open(partial, "w:xz") as tar:
-        for entry in sorted(cache.iterdir()):
-            tar.add(entry, arcname=entry.name)
+        for entry in sorted(cache.iterdir()):  # less the compile locks (engine.worker.compile_lock)
+            tar.add(entry, arcname=entry.name, filter=lambda info: None if info.name.endswith(SUFFIX) else info)
     os.replace(partial, packed)
     manifest(packed).write_text(json.dumps(machine(), indent=1) + "\n")
     return packed

@@ -69,8 +69,14 @@ def test_packing_for_this_machine_leaves_the_cache_another_kind_of_cpu_built(tmp
     cache = tmp_path / "compiled"
     (cache / "fxgraph").mkdir(parents=True)
     (cache / "fxgraph" / "entry").write_text("this CPU's graph")
+    (cache / compile_cache.PRECOMPILED).mkdir()
+    (cache / compile_cache.PRECOMPILED / "graphs.bin").write_bytes(b"graphs")
+    (cache / compile_cache.PRECOMPILED / "graphs.bin.lock").touch()  # a compile's lock (engine.worker.compile_lock)
     packed = compile_cache.pack(cache, model)
     assert packed == compile_cache.archive(model)
+    with tarfile.open(packed) as tar:
+        assert sorted(tar.getnames()) == ["fxgraph", "fxgraph/entry", compile_cache.PRECOMPILED,
+                                          f"{compile_cache.PRECOMPILED}/graphs.bin"], "no lock shipped"
     assert {built["isa"] for _, built in compile_cache.shipped(model)} == {"sve256", compile_cache.machine()["isa"]}
 
 

@@ -13,7 +13,7 @@ import types
 import pytest
 
 from engine.worker import compile_lock, precompile
-from engine.worker.compile_lock import LOCK_NAME, one_at_a_time
+from engine.worker.compile_lock import SUFFIX, one_at_a_time
 
 HOLD = """
 import fcntl, sys, time
@@ -31,13 +31,13 @@ def test_nothing_to_compile_takes_no_lock(tmp_path):
     done.write_bytes(b"graphs")
     with one_at_a_time([done], lambda f: not f.exists()):
         pass
-    assert not (tmp_path / LOCK_NAME).exists()
+    assert list(tmp_path.iterdir()) == [done], "no lock file"
 
 
 def test_a_compile_waits_for_another_process_compiling_into_the_same_directory(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger=compile_lock.__name__)
     graphs = tmp_path / "graphs.bin"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / LOCK_NAME), str(graphs)],
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / f"graphs.bin{SUFFIX}"), str(graphs)],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout is not None and holder.stdout.readline() == "held\n"
     t0 = time.perf_counter()
@@ -45,7 +45,15 @@ def test_a_compile_waits_for_another_process_compiling_into_the_same_directory(t
         waited = time.perf_counter() - t0
         assert graphs.read_bytes() == b"graphs", "what the holder wrote is there once the lock is ours"
     holder.wait(timeout=30)
-    assert waited > 0.5 and "another process is compiling graphs into" in caplog.text
+    assert waited > 0.5 and "another process is compiling graphs.bin; waiting for it" in caplog.text
+    other = tmp_path / "other-model.bin"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / f"graphs.bin{SUFFIX}"), str(other)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    t0 = time.perf_counter()
+    with one_at_a_time([tmp_path / "third-model.bin"], lambda f: not f.exists()):
+        assert time.perf_counter() - t0 < 0.5, "another model's compile does not wait"
+    holder.wait(timeout=30)
 
 
 @pytest.mark.parametrize("graphs", ["decode", "prompt"])
